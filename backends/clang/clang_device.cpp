@@ -1,0 +1,94 @@
+// The CLANG backend: C source in, compiled by the newest clang on PATH in a subprocess (source on
+// stdin, object on stdout: no temporary files), loaded by the shared ORC object runtime.
+#include <fmt/format.h>
+#include <xxhash.h>
+
+#include "cpu_runtime.hpp"
+#include "subprocess.hpp"
+#include "tinydev/device.hpp"
+#include "tinydev/error.hpp"
+
+namespace tinydev {
+
+namespace {
+
+// Newest first: clang 19 compiles __bf16 arithmetic, clang 14 does not.
+std::vector<std::string> clang_candidates() {
+  std::vector<std::string> names;
+  for (int v = 30; v >= 14; --v) names.push_back(fmt::format("clang-{}", v));
+  names.emplace_back("clang");
+  return names;
+}
+
+const std::vector<std::string> kFlags = {"-c",          "-O2",         "-march=native", "-ffreestanding",
+                                         "-fno-math-errno", "-fPIC",   "-x",            "c",
+                                         "-",           "-o",          "-"};
+
+class ClangCompiler final : public Compiler {
+ public:
+  ClangCompiler(std::string path, std::string version)
+      : Compiler("compile_clang"), path_(std::move(path)), version_(std::move(version)) {
+    const cpu::HostTarget& t = cpu::host_target();
+    // -march=native makes the host CPU part of the output, so it is part of the key.
+    identity_ = fmt::format("{} [{}] {} {} features:{:016x} flags:{}", path_, version_, t.triple,
+                            t.cpu, XXH3_64bits(t.features.data(), t.features.size()),
+                            fmt::join(kFlags, " "));
+  }
+
+  std::string identity() const override { return identity_; }
+  const std::string& path() const noexcept { return path_; }
+  const std::string& version() const noexcept { return version_; }
+
+  Blob compile(std::string_view source) override {
+    std::vector<std::string> argv{path_};
+    argv.insert(argv.end(), kFlags.begin(), kFlags.end());
+    clang_backend::ProcessResult r = clang_backend::run_process(argv, source);
+    if (r.exit_code != 0)
+      throw CompileError(fmt::format("{} failed to compile the kernel (exit code {})", path_, r.exit_code),
+                         r.err);
+    const auto* begin = reinterpret_cast<const std::byte*>(r.out.data());
+    return Blob(begin, begin + r.out.size());
+  }
+
+ private:
+  std::string path_, version_, identity_;
+};
+
+std::unique_ptr<ClangCompiler> find_clang() {
+  std::vector<std::string> tried = clang_candidates();
+  for (const std::string& name : tried) {
+    std::string path = clang_backend::find_on_path(name);
+    if (path.empty()) continue;
+    clang_backend::ProcessResult r = clang_backend::run_process({path, "--version"}, "");
+    if (r.exit_code != 0) continue;
+    std::string first_line = r.out.substr(0, r.out.find('\n'));
+    return std::make_unique<ClangCompiler>(path, first_line);
+  }
+  throw DeviceUnavailable(fmt::format(
+      "CLANG: no clang compiler on PATH (looked for {} ... clang-14, clang): install one, e.g. "
+      "`apt-get install clang-19`",
+      tried.front()));
+}
+
+class ClangDevice final : public Compiled {
+ public:
+  ClangDevice(const std::string& name, std::unique_ptr<ClangCompiler> compiler)
+      : Compiled(name, MallocAllocator::shared(), std::move(compiler),
+                 std::make_unique<cpu::ObjectRuntime>(name), SourceLanguage::C) {}
+
+  std::map<std::string, std::string> properties() const override {
+    auto props = Compiled::properties();
+    props.merge(cpu::host_properties());
+    auto& c = static_cast<ClangCompiler&>(compiler());
+    props["compiler"] = fmt::format("{} ({})", c.path(), c.version());
+    return props;
+  }
+};
+
+}  // namespace
+
+std::unique_ptr<Compiled> open_clang_device(const std::string& canonical_name) {
+  return std::make_unique<ClangDevice>(canonical_name, find_clang());
+}
+
+}  // namespace tinydev

@@ -1,0 +1,24 @@
+// backends/clang/subprocess.hpp: run a program with bytes on its stdin, capturing stdout and
+// stderr, without temporary files or a shell. Internal to the CLANG backend.
+// Thread safety: run_process may be called from several threads at once.
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace tinydev::clang_backend {
+
+struct ProcessResult {
+  int exit_code = -1;  // the exit status, or 128 + signal number when killed by a signal
+  std::string out;     // stdout, bytes verbatim
+  std::string err;     // stderr
+};
+
+// Runs argv[0] (searched on PATH) with `input` on stdin. Throws tinydev::Error when the process
+// cannot be started (naming it and the OS error).
+ProcessResult run_process(const std::vector<std::string>& argv, std::string_view input);
+
+// The absolute path of `program` found on PATH, or "" when it is not there.
+std::string find_on_path(const std::string& program);
+
+}  // namespace tinydev::clang_backend

@@ -1,0 +1,127 @@
+// tinydev/compile.hpp: compilers, the on-disk compile cache and loaded programs (layer 4).
+//
+// A Compiler turns source text into a binary blob (object code, cubin); `compile_cached` puts the
+// on-disk cache (DiskCache) in front of it. A Runtime loads a blob and looks a kernel up by name,
+// giving a Program, which launches it on buffers and integer values.
+//
+// Thread safety: Compiler::compile_cached, DiskCache and Runtime::load may be called concurrently.
+// A Program may be called from any thread; concurrent calls of one Program run concurrently.
+// Ownership: a Program keeps what it loaded alive until its last shared_ptr goes.
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "tinydev/memory.hpp"
+
+namespace tinydev {
+
+using Blob = std::vector<std::byte>;
+
+// The source language a device's compiler takes (the seed's renderer slot): what a framework's
+// code generator must emit for it.
+enum class SourceLanguage {
+  None,     // the device compiles nothing (DISK)
+  LLVMIR,   // LLVM IR text (opaque pointers), kernel ABI in docs/kernel-abi.md
+  C,        // C11 source compiled freestanding
+  CUDA,     // CUDA C++ for NVRTC
+};
+std::string_view to_string(SourceLanguage language) noexcept;
+
+// The on-disk cache: one verified file per entry, published atomically, bounded in bytes.
+// See docs/compile-cache.md and Note [Cache entry format] in src/disk_cache.cpp.
+class DiskCache {
+ public:
+  struct Stats {
+    std::uint64_t memory_hits = 0, disk_hits = 0, misses = 0, corrupt = 0, writes = 0,
+                  write_failures = 0, evictions = 0;
+  };
+
+  // The process-wide cache in settings().cache_dir.
+  static DiskCache& global();
+
+  // `key` is the compiler's cache key, `identity` the compiler's identity and version.
+  std::optional<Blob> get(std::string_view key, std::string_view identity, std::string_view source);
+  void put(std::string_view key, std::string_view identity, std::string_view source,
+           std::span<const std::byte> blob);
+
+  // The folder in use, or "" when the cache works in memory only (no usable folder).
+  std::string folder();
+  // Forgets the in-process layer (the next get reads the disk): for benchmarks and tests.
+  void drop_memory_layer();
+  Stats stats() const;
+  // The entry file for a key (whether or not it exists): for tests and tools.
+  std::string entry_path(std::string_view key, std::string_view identity, std::string_view source);
+
+ private:
+  struct Impl;
+  DiskCache();
+  ~DiskCache();
+  Impl* impl_;
+};
+
+// The seed's Compiler. `cache_key` names the compiler family ("compile_llvm"); a nullopt key
+// never caches. TINYDEV_DISABLE_COMPILER_CACHE=1 bypasses the cache; TINYDEV_ASSERT_COMPILE=1
+// makes any real compile a CompileError naming the source.
+class Compiler {
+ public:
+  explicit Compiler(std::optional<std::string> cache_key = std::nullopt)
+      : cache_key_(std::move(cache_key)) {}
+  virtual ~Compiler() = default;
+
+  // Compiles for real. Throws CompileError carrying the compiler's log.
+  virtual Blob compile(std::string_view source);
+  // Everything besides the source that changes the output (compiler version, target, flags).
+  virtual std::string identity() const { return "none"; }
+
+  Blob compile_cached(std::string_view source);
+  const std::optional<std::string>& cache_key() const noexcept { return cache_key_; }
+
+ private:
+  std::optional<std::string> cache_key_;
+};
+
+// Launch geometry and options for a Program call.
+struct LaunchParams {
+  std::array<std::uint32_t, 3> global{1, 1, 1};
+  std::array<std::uint32_t, 3> local{1, 1, 1};
+  bool wait = false;  // block until the kernel finished and return its time in seconds
+};
+
+// A loaded kernel. Kernel ABI: `void name(T* buf0, ..., int32_t val0, ...)`.
+class Program {
+ public:
+  virtual ~Program() = default;
+  const std::string& name() const noexcept { return name_; }
+
+  // Launches on `buffers` (allocations of this program's device) and `values`. Returns the
+  // kernel's seconds when params.wait, else nullopt.
+  virtual std::optional<double> operator()(std::span<const Allocation> buffers,
+                                           std::span<const std::int32_t> values = {},
+                                           const LaunchParams& params = {}) = 0;
+
+ protected:
+  explicit Program(std::string name) : name_(std::move(name)) {}
+
+ private:
+  std::string name_;
+};
+
+// Loads compiled blobs into Programs (the seed's `runtime(name, lib)`).
+class Runtime {
+ public:
+  virtual ~Runtime() = default;
+  // Throws InvalidArgument naming the kernel when the blob has no such symbol.
+  virtual std::shared_ptr<Program> load(std::string_view kernel_name,
+                                        std::span<const std::byte> blob) = 0;
+};
+
+}  // namespace tinydev

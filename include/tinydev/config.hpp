@@ -1,0 +1,63 @@
+// tinydev/config.hpp: the TINYDEV_* environment, read once and overridable in code.
+//
+// The environment is read on first use and parsed into an immutable Settings snapshot; every
+// invalid value is an InvalidArgument naming the variable (never a silent default). Code can
+// override any variable for a scope with ScopedOverride (tests, embedding servers); overrides are
+// validated before they take effect.
+//
+// Thread safety: settings() is lock-free and may be called from any thread; the reference it
+// returns stays valid for the life of the process (snapshots are never freed). Overrides are
+// process-wide, so tests that use them must not run concurrently with code that expects the
+// previous values. docs/environment.md lists every variable.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace tinydev {
+
+struct Settings {
+  std::string device;                           // TINYDEV_DEVICE, canonicalized; "" when unset
+  int debug = 0;                                // TINYDEV_DEBUG, 0..7
+  bool lru = true;                              // TINYDEV_LRU
+  std::uint64_t lru_max_bytes = 0;              // TINYDEV_LRU_MAX_BYTES; 0 = no cap
+  bool disable_compiler_cache = false;          // TINYDEV_DISABLE_COMPILER_CACHE
+  bool assert_compile = false;                  // TINYDEV_ASSERT_COMPILE
+  std::string cache_dir;                        // TINYDEV_CACHE_DIR, resolved; "" = no folder
+  std::uint64_t cache_max_bytes = 1ull << 30;   // TINYDEV_CACHE_MAX_BYTES
+};
+
+// The current settings (environment + active overrides). Throws InvalidArgument on the first call
+// if the environment holds an invalid value.
+const Settings& settings();
+
+// The names of every variable tinydev reads.
+std::vector<std::string_view> known_variables();
+
+// Re-reads the process environment (after setenv in a test or a launcher). Overrides stay active.
+void reload_environment();
+
+// Overrides one variable until destruction; std::nullopt means "as if unset". Throws
+// InvalidArgument for an unknown variable or an invalid value, leaving the settings unchanged.
+// Overrides must be destroyed in reverse order of creation (they are scoped objects).
+class ScopedOverride {
+ public:
+  ScopedOverride(std::string_view variable, std::optional<std::string> value);
+  ~ScopedOverride();
+  ScopedOverride(const ScopedOverride&) = delete;
+  ScopedOverride& operator=(const ScopedOverride&) = delete;
+
+ private:
+  std::string variable_;
+  bool had_previous_;
+  std::optional<std::string> previous_;
+};
+
+// Parses "123", "64K", "512M", "1G" (binary multiples) as bytes; throws InvalidArgument naming
+// `what` on anything else.
+std::uint64_t parse_byte_count(std::string_view text, std::string_view what);
+
+}  // namespace tinydev

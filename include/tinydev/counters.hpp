@@ -1,0 +1,45 @@
+// tinydev/counters.hpp: process-wide counters (the seed's GlobalCounters) and TINYDEV_DEBUG logs.
+//
+// Counters are relaxed atomics: safe to read and update from any thread; a reading taken while
+// other threads work is a consistent value per counter, not across counters.
+#pragma once
+
+#include <fmt/format.h>
+
+#include <atomic>
+#include <cstdint>
+#include <string_view>
+
+#include "tinydev/config.hpp"
+
+namespace tinydev {
+
+struct GlobalCounters {
+  // Bytes held by allocated base Buffers (DISK buffers excluded, as in the seed).
+  static inline std::atomic<std::int64_t> mem_used{0};
+  // Kernel launches through Program calls.
+  static inline std::atomic<std::int64_t> kernel_count{0};
+  // Seconds spent in kernels that were launched with wait=true.
+  static inline std::atomic<double> time_sum{0.0};
+  // Global memory traffic estimate (bytes of buffer arguments) of launched kernels.
+  static inline std::atomic<std::int64_t> global_mem{0};
+
+  static void reset() noexcept {
+    kernel_count = 0;
+    time_sum = 0.0;
+    global_mem = 0;
+  }
+};
+
+namespace detail {
+void write_log_line(std::string_view line);  // one atomic write to stderr
+}
+
+// Prints a line to stderr when TINYDEV_DEBUG >= level. Formatting happens only when it prints.
+template <class... Args>
+void debug_log(int level, fmt::format_string<Args...> format, Args&&... args) {
+  if (settings().debug < level) return;
+  detail::write_log_line(fmt::format(format, std::forward<Args>(args)...));
+}
+
+}  // namespace tinydev

@@ -1,0 +1,54 @@
+// tinydev/error.hpp: the exception hierarchy every layer throws.
+//
+// Every error a caller can provoke is a tinydev::Error subclass whose message says what was asked,
+// what was found and what to do about it. Errors are values: copyable, thread-agnostic, and an
+// error never leaves another buffer, cache entry or device in a changed state.
+#pragma once
+
+#include <stdexcept>
+#include <string>
+
+namespace tinydev {
+
+// Base of every tinydev exception: catch this to catch them all.
+class Error : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// A bad name, size, offset, value or call sequence from the caller (the seed's asserts).
+class InvalidArgument : public Error {
+ public:
+  using Error::Error;
+};
+
+// A backend that this build has but that cannot be opened here (no driver, no clang, ...).
+class DeviceUnavailable : public Error {
+ public:
+  using Error::Error;
+};
+
+// An allocation failed even after the allocator's cache was dropped and the allocation retried.
+class OutOfMemory : public Error {
+ public:
+  using Error::Error;
+};
+
+// A kernel failed to compile. `log()` is the compiler's own diagnostic output, verbatim.
+class CompileError : public Error {
+ public:
+  CompileError(const std::string& message, std::string log)
+      : Error(log.empty() ? message : message + "\n" + log), log_(std::move(log)) {}
+  const std::string& log() const noexcept { return log_; }
+
+ private:
+  std::string log_;
+};
+
+// A wait on the device or a signal ran past its deadline.
+class Timeout : public Error {
+ public:
+  using Error::Error;
+};
+
+}  // namespace tinydev

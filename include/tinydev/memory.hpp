@@ -1,0 +1,170 @@
+// tinydev/memory.hpp: allocation options, the Allocator interface, the caching LRUAllocator and the
+// host MallocAllocator (layer 3).
+//
+// An allocator hands out opaque Allocation handles, not host pointers: on CUDA `va_addr` is a
+// device address the host cannot touch, on DISK a range of a file, on the CPU backends host memory.
+// Only an allocator whose `as_buffer` answers may be read by the host directly.
+//
+// Ownership: whoever receives an Allocation from `alloc` owns it until it passes it back to `free`
+// on the same allocator with the same size and options. An allocator must outlive every
+// Allocation it handed out (device allocators live as long as the process).
+//
+// Thread safety: every Allocator method may be called concurrently from any thread. LRUAllocator
+// holds one mutex for its cache and never calls into the backend (alloc_impl/free_impl) under it.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <span>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace tinydev {
+
+// How a buffer should be allocated (the seed's BufferOptions; its `image` field is omitted: tinydev
+// has no image dtypes). A hashable, comparable value.
+struct BufferOptions {
+  bool uncached = false;    // device memory the host should not cache (write-combined)
+  bool cpu_access = false;  // the host must be able to map it
+  bool host = false;        // pinned host memory the device can reach (staging buffers)
+  bool nolru = false;       // free for real instead of keeping it in the allocator's cache
+
+  friend bool operator==(const BufferOptions&, const BufferOptions&) = default;
+  std::uint8_t bits() const noexcept {
+    return static_cast<std::uint8_t>(uncached | cpu_access << 1 | host << 2 | nolru << 3);
+  }
+};
+
+// One allocation as its allocator sees it. `va_addr` is an address in the device's address space,
+// `size` its length in bytes, `backend` an optional backend-owned pointer (a DISK mapping, a
+// driver object). Views made by `Allocator::offset` share the backend pointer of their base.
+struct Allocation {
+  std::uint64_t va_addr = 0;
+  std::uint64_t size = 0;
+  void* backend = nullptr;
+
+  friend bool operator==(const Allocation&, const Allocation&) = default;
+  template <class T = void>
+  T* host_ptr() const noexcept {  // only meaningful where the allocator is host memory
+    return reinterpret_cast<T*>(static_cast<std::uintptr_t>(va_addr));
+  }
+};
+
+// The seed's Allocator: `alloc` validates and forwards to the backend's `alloc_impl`.
+class Allocator {
+ public:
+  virtual ~Allocator() = default;
+
+  // Allocates `size` bytes (> 0, else InvalidArgument). Throws OutOfMemory when the backend has
+  // no memory left.
+  virtual Allocation alloc(std::size_t size, const BufferOptions& options = {});
+  // Returns an allocation; `size` and `options` must be those it was allocated with.
+  virtual void free(Allocation allocation, std::size_t size, const BufferOptions& options = {});
+
+  // Host -> device and device -> host copies of exactly `src.size()` / `dest.size()` bytes.
+  virtual void copyin(Allocation dest, std::span<const std::byte> src) = 0;
+  virtual void copyout(std::span<std::byte> dest, Allocation src) = 0;
+
+  // Sub-allocations (views). Allocators without them return false from supports_offset and throw
+  // InvalidArgument from offset.
+  virtual bool supports_offset() const noexcept { return false; }
+  virtual Allocation offset(Allocation base, std::size_t size, std::size_t offset);
+
+  // Zero-copy host access to an allocation, where the memory is host memory; else nullopt.
+  virtual std::optional<std::span<std::byte>> as_buffer(Allocation allocation);
+
+  // A short name for messages ("LLVM allocator").
+  virtual std::string describe() const { return "allocator"; }
+
+ protected:
+  virtual Allocation alloc_impl(std::size_t size, const BufferOptions& options) = 0;
+  virtual void free_impl(Allocation allocation, std::size_t size, const BufferOptions& options) = 0;
+};
+
+// Counters of an LRUAllocator, read together under its lock.
+struct LRUStats {
+  std::uint64_t hits = 0;          // allocs served from the cache
+  std::uint64_t misses = 0;        // allocs that went to the backend
+  std::uint64_t bytes_cached = 0;  // bytes currently held in the cache
+  std::uint64_t entries_cached = 0;
+  std::uint64_t evictions = 0;     // cached allocations freed to respect TINYDEV_LRU_MAX_BYTES
+  std::uint64_t oom_retries = 0;   // out-of-memory failures answered by dropping the cache
+};
+
+// The seed's LRUAllocator: frees are kept in a cache keyed by (size, options) and handed back
+// last-in-first-out to the next alloc of the same key.
+//  - Out of memory: the whole cache is freed and the alloc retried once; a second failure is
+//    OutOfMemory.
+//  - TINYDEV_LRU=0, or options.nolru: free for real.
+//  - TINYDEV_LRU_MAX_BYTES: the cache never holds more; the least recently freed go first.
+class LRUAllocator : public Allocator {
+ public:
+  LRUAllocator();
+  ~LRUAllocator() override;
+
+  Allocation alloc(std::size_t size, const BufferOptions& options = {}) override;
+  void free(Allocation allocation, std::size_t size, const BufferOptions& options = {}) override;
+
+  // Frees every cached allocation to the backend.
+  void free_cache();
+  LRUStats stats() const;
+
+ // Derived classes must call free_cache() in their own destructor: cached allocations are
+ // returned through free_impl, which is gone by the time ~LRUAllocator runs.
+
+ private:
+  struct Entry;
+  struct Key {
+    std::size_t size;
+    std::uint8_t options;
+    friend bool operator==(const Key&, const Key&) = default;
+  };
+  struct KeyHash {
+    std::size_t operator()(const Key& k) const noexcept {
+      return std::hash<std::size_t>()(k.size * 16 + k.options);
+    }
+  };
+  struct Bucket {
+    Entry* newest = nullptr;  // per-key list, newest first (LIFO reuse)
+  };
+  Entry* new_entry();
+  void unlink(Entry* e);
+  void evict_over_cap(std::uint64_t cap, std::vector<Entry>& out);
+  void release(std::vector<Entry>& entries);
+
+  mutable std::mutex mutex_;
+  std::unordered_map<Key, Bucket, KeyHash> buckets_;
+  Entry* lru_oldest_ = nullptr;  // global list of every cached entry, by time of free
+  Entry* lru_newest_ = nullptr;
+  Entry* spare_ = nullptr;       // recycled Entry nodes: no heap allocation in steady state
+  std::vector<std::unique_ptr<Entry[]>> slabs_;
+  LRUStats stats_;
+};
+
+// Host memory (the seed's MallocAllocator): 64-byte aligned, never zero-filled, host-readable
+// (zero-copy as_buffer), with views. One process-wide instance serves the CPU backends.
+class MallocAllocator final : public LRUAllocator {
+ public:
+  MallocAllocator() = default;
+  ~MallocAllocator() override;
+
+  void copyin(Allocation dest, std::span<const std::byte> src) override;
+  void copyout(std::span<std::byte> dest, Allocation src) override;
+  bool supports_offset() const noexcept override { return true; }
+  Allocation offset(Allocation base, std::size_t size, std::size_t offset) override;
+  std::optional<std::span<std::byte>> as_buffer(Allocation allocation) override;
+  std::string describe() const override { return "host (malloc) allocator"; }
+
+  static std::shared_ptr<MallocAllocator> shared();
+
+ protected:
+  Allocation alloc_impl(std::size_t size, const BufferOptions& options) override;
+  void free_impl(Allocation allocation, std::size_t size, const BufferOptions& options) override;
+};
+
+}  // namespace tinydev

@@ -1,0 +1,13 @@
+// tinydev/tinydev.hpp: the umbrella header. Include this to get every public name of tinydev.
+#pragma once
+
+#include "tinydev/buffer.hpp"
+#include "tinydev/compile.hpp"
+#include "tinydev/config.hpp"
+#include "tinydev/counters.hpp"
+#include "tinydev/device.hpp"
+#include "tinydev/dtype.hpp"
+#include "tinydev/error.hpp"
+#include "tinydev/memory.hpp"
+#include "tinydev/registry.hpp"
+#include "tinydev/version.hpp"

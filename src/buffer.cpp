@@ -1,0 +1,185 @@
+#include "tinydev/buffer.hpp"
+
+#include <fmt/format.h>
+
+#include "tinydev/counters.hpp"
+#include "tinydev/device.hpp"
+#include "tinydev/error.hpp"
+#include "tinydev/registry.hpp"
+
+namespace tinydev {
+
+struct Buffer::State {
+  std::string device;
+  std::size_t size = 0;
+  DType dtype;
+  BufferOptions options;
+  std::size_t offset = 0;
+  std::shared_ptr<State> base;  // null for a base buffer
+  std::optional<Allocation> buf;
+  std::shared_ptr<Allocator> allocator;  // keeps the allocator alive while we hold memory
+  std::int64_t lb_refcount = 0;
+
+  std::size_t nbytes() const noexcept { return size * dtype.itemsize; }
+  bool counts_memory() const noexcept { return !device.starts_with("DISK"); }
+
+  ~State() {
+    if (!buf || base) return;
+    if (counts_memory()) GlobalCounters::mem_used -= static_cast<std::int64_t>(nbytes());
+    try {
+      allocator->free(*buf, nbytes(), options);
+    } catch (const std::exception& e) {
+      debug_log(1, "tinydev: freeing a {}-byte buffer on {} failed: {}", nbytes(), device, e.what());
+    }
+  }
+
+  void allocate(std::optional<Allocation> opaque) {
+    if (buf)
+      throw InvalidArgument(fmt::format(
+          "can't allocate already allocated buffer ({} bytes on {}): use ensure_allocated()",
+          nbytes(), device));
+    std::shared_ptr<Allocator> alloc = Device[device].shared_allocator();
+    if (base) {
+      if (!base->buf) base->allocate(std::nullopt);
+      if (!alloc->supports_offset())
+        throw InvalidArgument(fmt::format(
+            "{} cannot make views (no offset function), so this {}-byte view at offset {} "
+            "cannot be allocated",
+            device, nbytes(), offset));
+      buf = alloc->offset(*base->buf, nbytes(), offset);
+    } else {
+      if (opaque) {
+        buf = *opaque;
+      } else {
+        if (nbytes() == 0)
+          throw InvalidArgument(fmt::format(
+              "can't allocate a 0-byte buffer on {}: allocate at least one element", device));
+        buf = alloc->alloc(nbytes(), options);
+      }
+      if (counts_memory()) GlobalCounters::mem_used += static_cast<std::int64_t>(nbytes());
+    }
+    allocator = std::move(alloc);
+  }
+};
+
+Buffer::Buffer(std::string_view device, std::size_t size, DType dtype, BufferOptions options)
+    : Buffer(device, size, dtype, Params{.options = options}) {}
+
+Buffer::Buffer(std::string_view device, std::size_t size, DType dtype, Params params)
+    : state_(std::make_shared<State>()) {
+  State& s = *state_;
+  s.device = canonicalize(device);
+  s.size = size;
+  s.dtype = dtype;
+  s.options = params.options;
+  if (params.adopt) s.allocate(params.adopt);
+  if (!params.initial_value.empty()) {
+    if (params.initial_value.size() != s.nbytes())
+      throw InvalidArgument(fmt::format(
+          "initial value has {} bytes but the buffer ({} x {}) has {}: pass exactly nbytes()",
+          params.initial_value.size(), size, dtype.name, s.nbytes()));
+    if (!s.buf) s.allocate(std::nullopt);
+    s.allocator->copyin(*s.buf, params.initial_value);
+  }
+  if (params.preallocate && !s.buf) s.allocate(std::nullopt);
+}
+
+const std::string& Buffer::device() const noexcept { return state_->device; }
+std::size_t Buffer::size() const noexcept { return state_->size; }
+DType Buffer::dtype() const noexcept { return state_->dtype; }
+const BufferOptions& Buffer::options() const noexcept {
+  return state_->base ? state_->base->options : state_->options;
+}
+std::size_t Buffer::offset() const noexcept { return state_->offset; }
+bool Buffer::is_view() const noexcept { return state_->base != nullptr; }
+Buffer Buffer::base() const { return state_->base ? Buffer(state_->base) : *this; }
+bool Buffer::is_allocated() const noexcept { return state_->buf.has_value(); }
+
+Buffer& Buffer::allocate() {
+  state_->allocate(std::nullopt);
+  return *this;
+}
+
+Buffer& Buffer::ensure_allocated() {
+  if (!state_->buf) state_->allocate(std::nullopt);
+  return *this;
+}
+
+const Allocation& Buffer::allocation() const {
+  if (!state_->buf)
+    throw InvalidArgument(fmt::format("buffer of {} bytes on {} is not allocated: call allocate()",
+                                      nbytes(), device()));
+  return *state_->buf;
+}
+
+Buffer& Buffer::copyin(std::span<const std::byte> src) {
+  if (src.size() != nbytes())
+    throw InvalidArgument(fmt::format("size mismatch: copyin of {} bytes into a buffer of {} x {} "
+                                      "({} bytes): pass exactly nbytes() bytes",
+                                      src.size(), size(), dtype().name, nbytes()));
+  if (!state_->buf)
+    throw InvalidArgument(fmt::format(
+        "can't copyin to unallocated buffer ({} bytes on {}): call allocate() first", nbytes(),
+        device()));
+  state_->allocator->copyin(*state_->buf, src);
+  return *this;
+}
+
+std::span<std::byte> Buffer::copyout(std::span<std::byte> dest) const {
+  if (dest.size() != nbytes())
+    throw InvalidArgument(fmt::format("size mismatch: copyout of a buffer of {} x {} ({} bytes) "
+                                      "into {} bytes: pass exactly nbytes() bytes",
+                                      size(), dtype().name, nbytes(), dest.size()));
+  if (!state_->buf)
+    throw InvalidArgument(fmt::format(
+        "can't copyout unallocated buffer ({} bytes on {}): allocate and fill it first", nbytes(),
+        device()));
+  state_->allocator->copyout(dest, *state_->buf);
+  return dest;
+}
+
+HostBytes Buffer::as_buffer(bool allow_zero_copy, bool force_zero_copy) const {
+  if ((allow_zero_copy || force_zero_copy) && state_->buf) {
+    if (auto window = state_->allocator->as_buffer(*state_->buf)) return HostBytes(*window);
+  }
+  if (force_zero_copy)
+    throw InvalidArgument(fmt::format(
+        "force zero copy was passed, but copy is required: {} memory is not host-visible{}",
+        device(), state_->buf ? "" : " (and the buffer is not allocated)"));
+  std::vector<std::byte> out(nbytes());
+  copyout(out);
+  return HostBytes(std::move(out));
+}
+
+Buffer Buffer::view(std::size_t size, DType dtype, std::size_t offset) const {
+  if (offset >= nbytes())
+    throw InvalidArgument(fmt::format(
+        "view offset {} is out of range: offset must be less than nbytes ({}) of the buffer",
+        offset, nbytes()));
+  if (size * dtype.itemsize > nbytes() - offset)
+    throw InvalidArgument(fmt::format(
+        "view of {} x {} ({} bytes) at offset {} runs past the end of a {}-byte buffer", size,
+        dtype.name, size * dtype.itemsize, offset, nbytes()));
+  auto v = std::make_shared<State>();
+  v->device = state_->device;
+  v->size = size;
+  v->dtype = dtype;
+  v->options = options();
+  v->base = state_->base ? state_->base : state_;
+  v->offset = state_->offset + offset;
+  return Buffer(std::move(v));
+}
+
+std::int64_t Buffer::lb_refcount() const noexcept {
+  return (state_->base ? state_->base : state_)->lb_refcount;
+}
+void Buffer::ref(std::int64_t count) noexcept {
+  (state_->base ? state_->base : state_)->lb_refcount += count;
+}
+
+std::string Buffer::repr() const {
+  return fmt::format("<buf real:{} device:{} size:{} dtype:{}{}>", is_allocated(), device(), size(),
+                     dtype().name, is_view() ? fmt::format(" offset:{}", offset()) : "");
+}
+
+}  // namespace tinydev

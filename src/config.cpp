@@ -1,0 +1,200 @@
+#include "tinydev/config.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <atomic>
+#include <charconv>
+#include <cstdlib>
+#include <map>
+#include <memory>
+#include <mutex>
+
+#include "tinydev/error.hpp"
+#include "tinydev/registry.hpp"
+
+namespace tinydev {
+
+namespace {
+
+constexpr std::string_view kVariables[] = {
+    "TINYDEV_DEVICE",         "TINYDEV_DEBUG",     "TINYDEV_LRU",
+    "TINYDEV_LRU_MAX_BYTES",  "TINYDEV_DISABLE_COMPILER_CACHE",
+    "TINYDEV_ASSERT_COMPILE", "TINYDEV_CACHE_DIR", "TINYDEV_CACHE_MAX_BYTES",
+};
+
+using RawValues = std::map<std::string, std::optional<std::string>, std::less<>>;
+
+// Note [Settings snapshots]
+// Readers are on hot paths (every LRU free reads `lru`), so they take no lock: they load one
+// atomic pointer to an immutable snapshot. Writers (first use, overrides, reload) build a new
+// snapshot under the mutex and publish it. Old snapshots are kept alive forever so a reference a
+// reader still holds never dangles; there are only as many as there were overrides.
+struct State {
+  std::mutex mutex;
+  bool loaded = false;
+  RawValues environment;  // as read from the process environment
+  RawValues overrides;    // active ScopedOverride values (nullopt = forced unset)
+  std::vector<std::unique_ptr<Settings>> snapshots;
+  std::atomic<const Settings*> current{nullptr};
+};
+
+State& state() {
+  static State s;
+  return s;
+}
+
+bool parse_flag(std::string_view var, const std::string& v) {
+  if (v == "0") return false;
+  if (v == "1") return true;
+  throw InvalidArgument(fmt::format("{}='{}' is not a valid flag: set it to 0 or 1", var, v));
+}
+
+int parse_int(std::string_view var, const std::string& v, int lo, int hi) {
+  int out = 0;
+  auto [p, ec] = std::from_chars(v.data(), v.data() + v.size(), out);
+  if (ec != std::errc() || p != v.data() + v.size() || out < lo || out > hi)
+    throw InvalidArgument(
+        fmt::format("{}='{}' is not valid: set it to an integer from {} to {}", var, v, lo, hi));
+  return out;
+}
+
+std::optional<std::string> lookup(const State& s, std::string_view var) {
+  if (auto it = s.overrides.find(var); it != s.overrides.end()) return it->second;
+  if (auto it = s.environment.find(var); it != s.environment.end()) return it->second;
+  return std::nullopt;
+}
+
+Settings parse(const State& s) {
+  Settings out;
+  auto get = [&](std::string_view var) { return lookup(s, var); };
+  if (auto v = get("TINYDEV_DEVICE"); v && !v->empty()) {
+    try {
+      out.device = canonicalize(*v);
+    } catch (const InvalidArgument& e) {
+      throw InvalidArgument(fmt::format("TINYDEV_DEVICE='{}' is not a device name: {}", *v, e.what()));
+    }
+  }
+  if (auto v = get("TINYDEV_DEBUG"); v && !v->empty()) out.debug = parse_int("TINYDEV_DEBUG", *v, 0, 7);
+  if (auto v = get("TINYDEV_LRU"); v && !v->empty()) out.lru = parse_flag("TINYDEV_LRU", *v);
+  if (auto v = get("TINYDEV_LRU_MAX_BYTES"); v && !v->empty())
+    out.lru_max_bytes = parse_byte_count(*v, "TINYDEV_LRU_MAX_BYTES");
+  if (auto v = get("TINYDEV_DISABLE_COMPILER_CACHE"); v && !v->empty())
+    out.disable_compiler_cache = parse_flag("TINYDEV_DISABLE_COMPILER_CACHE", *v);
+  if (auto v = get("TINYDEV_ASSERT_COMPILE"); v && !v->empty())
+    out.assert_compile = parse_flag("TINYDEV_ASSERT_COMPILE", *v);
+  if (auto v = get("TINYDEV_CACHE_MAX_BYTES"); v && !v->empty())
+    out.cache_max_bytes = parse_byte_count(*v, "TINYDEV_CACHE_MAX_BYTES");
+  if (auto v = get("TINYDEV_CACHE_DIR"); v && !v->empty()) {
+    out.cache_dir = *v;
+  } else {
+    // XDG_CACHE_HOME and HOME are not ours to override: read them live from the environment.
+    const char* xdg = std::getenv("XDG_CACHE_HOME");
+    const char* home = std::getenv("HOME");
+    if (xdg && *xdg) out.cache_dir = std::string(xdg) + "/tinydev";
+    else if (home && *home) out.cache_dir = std::string(home) + "/.cache/tinydev";
+  }
+  return out;
+}
+
+void read_environment(State& s) {
+  s.environment.clear();
+  for (std::string_view var : kVariables) {
+    const char* v = std::getenv(std::string(var).c_str());
+    if (v) s.environment[std::string(var)] = std::string(v);
+  }
+  s.loaded = true;
+}
+
+// Builds and publishes a snapshot; on a parse error nothing changes. Caller holds the mutex.
+void publish(State& s) {
+  auto snap = std::make_unique<Settings>(parse(s));
+  s.current.store(snap.get(), std::memory_order_release);
+  s.snapshots.push_back(std::move(snap));
+}
+
+void check_known(std::string_view var) {
+  if (std::find(std::begin(kVariables), std::end(kVariables), var) != std::end(kVariables)) return;
+  throw InvalidArgument(fmt::format("'{}' is not a tinydev variable: known are {}", var,
+                                    fmt::join(kVariables, ", ")));
+}
+
+}  // namespace
+
+const Settings& settings() {
+  State& s = state();
+  if (const Settings* cur = s.current.load(std::memory_order_acquire)) return *cur;
+  std::lock_guard lock(s.mutex);
+  if (!s.loaded) read_environment(s);
+  if (!s.current.load(std::memory_order_relaxed)) publish(s);
+  return *s.current.load(std::memory_order_relaxed);
+}
+
+std::vector<std::string_view> known_variables() {
+  return {std::begin(kVariables), std::end(kVariables)};
+}
+
+void reload_environment() {
+  State& s = state();
+  std::lock_guard lock(s.mutex);
+  RawValues previous = s.environment;
+  read_environment(s);
+  try {
+    publish(s);
+  } catch (...) {
+    s.environment = std::move(previous);
+    throw;
+  }
+}
+
+ScopedOverride::ScopedOverride(std::string_view variable, std::optional<std::string> value)
+    : variable_(variable), had_previous_(false) {
+  check_known(variable);
+  State& s = state();
+  std::lock_guard lock(s.mutex);
+  if (!s.loaded) read_environment(s);
+  auto it = s.overrides.find(variable_);
+  if (it != s.overrides.end()) {
+    had_previous_ = true;
+    previous_ = it->second;
+  }
+  s.overrides[variable_] = std::move(value);
+  try {
+    publish(s);
+  } catch (...) {
+    if (had_previous_) s.overrides[variable_] = previous_;
+    else s.overrides.erase(variable_);
+    throw;
+  }
+}
+
+ScopedOverride::~ScopedOverride() {
+  State& s = state();
+  std::lock_guard lock(s.mutex);
+  if (had_previous_) s.overrides[variable_] = previous_;
+  else s.overrides.erase(variable_);
+  try {
+    publish(s);
+  } catch (...) {
+    // Restoring a state that was valid before cannot fail unless the environment was reloaded
+    // with bad values in between; keep the last good snapshot rather than throw from a destructor.
+  }
+}
+
+std::uint64_t parse_byte_count(std::string_view text, std::string_view what) {
+  std::uint64_t value = 0;
+  auto [p, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
+  std::string_view suffix(p, text.data() + text.size() - p);
+  std::uint64_t mult = 0;
+  if (suffix.empty()) mult = 1;
+  else if (suffix == "K" || suffix == "KiB") mult = 1ull << 10;
+  else if (suffix == "M" || suffix == "MiB") mult = 1ull << 20;
+  else if (suffix == "G" || suffix == "GiB") mult = 1ull << 30;
+  if (ec != std::errc() || mult == 0 || value > UINT64_MAX / mult)
+    throw InvalidArgument(fmt::format(
+        "{}='{}' is not a byte count: write an integer, optionally followed by K, M or G", what,
+        text));
+  return value * mult;
+}
+
+}  // namespace tinydev

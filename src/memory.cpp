@@ -1,0 +1,241 @@
+#include "tinydev/memory.hpp"
+
+#include <fmt/format.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <new>
+
+#include "tinydev/config.hpp"
+#include "tinydev/error.hpp"
+
+namespace tinydev {
+
+// ---- Allocator ---------------------------------------------------------------------------------
+
+Allocation Allocator::alloc(std::size_t size, const BufferOptions& options) {
+  if (size == 0)
+    throw InvalidArgument(fmt::format(
+        "{}: alloc size must be positive, got 0: allocate at least one element", describe()));
+  return alloc_impl(size, options);
+}
+
+void Allocator::free(Allocation allocation, std::size_t size, const BufferOptions& options) {
+  free_impl(allocation, size, options);
+}
+
+Allocation Allocator::offset(Allocation, std::size_t, std::size_t) {
+  throw InvalidArgument(fmt::format(
+      "{} has no sub-allocations, so a Buffer view cannot be made on it: copy the range instead",
+      describe()));
+}
+
+std::optional<std::span<std::byte>> Allocator::as_buffer(Allocation) { return std::nullopt; }
+
+// ---- LRUAllocator ------------------------------------------------------------------------------
+
+// Note [LRU cache layout]
+// Every cached allocation is one Entry on two intrusive lists: its key's list (newest first, so
+// reuse is LIFO as in the seed: the most recently freed memory is the warmest) and one global list
+// ordered by time of free (for TINYDEV_LRU_MAX_BYTES, which evicts the least recently freed).
+// Entries come from slabs and are recycled through `spare_`, so a cache hit or a cached free does
+// one hash lookup and pointer swaps: no heap allocation and no backend call under the lock.
+struct LRUAllocator::Entry {
+  Allocation allocation;
+  Key key{};
+  Bucket* bucket = nullptr;
+  Entry* key_newer = nullptr;
+  Entry* key_older = nullptr;
+  Entry* lru_newer = nullptr;
+  Entry* lru_older = nullptr;
+};
+
+LRUAllocator::LRUAllocator() = default;
+LRUAllocator::~LRUAllocator() = default;
+
+LRUAllocator::Entry* LRUAllocator::new_entry() {
+  if (!spare_) {
+    constexpr std::size_t kSlab = 64;
+    auto slab = std::make_unique<Entry[]>(kSlab);
+    for (std::size_t i = 0; i < kSlab; ++i) {
+      slab[i].key_older = spare_;
+      spare_ = &slab[i];
+    }
+    slabs_.push_back(std::move(slab));
+  }
+  Entry* e = spare_;
+  spare_ = e->key_older;
+  *e = Entry{};
+  return e;
+}
+
+void LRUAllocator::unlink(Entry* e) {
+  if (e->key_newer) e->key_newer->key_older = e->key_older;
+  else e->bucket->newest = e->key_older;
+  if (e->key_older) e->key_older->key_newer = e->key_newer;
+  if (e->lru_newer) e->lru_newer->lru_older = e->lru_older;
+  else lru_newest_ = e->lru_older;
+  if (e->lru_older) e->lru_older->lru_newer = e->lru_newer;
+  else lru_oldest_ = e->lru_newer;
+  stats_.bytes_cached -= e->key.size;
+  stats_.entries_cached -= 1;
+  e->key_older = spare_;
+  spare_ = e;
+}
+
+void LRUAllocator::evict_over_cap(std::uint64_t cap, std::vector<Entry>& out) {
+  while (lru_oldest_ && stats_.bytes_cached > cap) {
+    Entry* victim = lru_oldest_;
+    out.push_back(*victim);
+    unlink(victim);
+    stats_.evictions += 1;
+  }
+}
+
+void LRUAllocator::release(std::vector<Entry>& entries) {
+  for (const Entry& e : entries) {
+    BufferOptions opts{static_cast<bool>(e.key.options & 1), static_cast<bool>(e.key.options & 2),
+                       static_cast<bool>(e.key.options & 4), static_cast<bool>(e.key.options & 8)};
+    free_impl(e.allocation, e.key.size, opts);
+  }
+  entries.clear();
+}
+
+Allocation LRUAllocator::alloc(std::size_t size, const BufferOptions& options) {
+  if (size == 0) return Allocator::alloc(size, options);  // throws the seed's error
+  {
+    std::lock_guard lock(mutex_);
+    auto it = buckets_.find(Key{size, options.bits()});
+    if (it != buckets_.end() && it->second.newest) {
+      Entry* e = it->second.newest;
+      Allocation a = e->allocation;
+      unlink(e);
+      stats_.hits += 1;
+      return a;
+    }
+    stats_.misses += 1;
+  }
+  try {
+    return alloc_impl(size, options);
+  } catch (const OutOfMemory&) {
+  } catch (const std::bad_alloc&) {
+  }
+  // Out of memory: give back everything we hold and try once more (the seed's ladder).
+  std::uint64_t dropped;
+  {
+    std::lock_guard lock(mutex_);
+    dropped = stats_.bytes_cached;
+    stats_.oom_retries += 1;
+  }
+  free_cache();
+  try {
+    return alloc_impl(size, options);
+  } catch (const OutOfMemory& e) {
+    throw OutOfMemory(fmt::format(
+        "{}: out of memory allocating {} bytes, even after freeing {} cached bytes and "
+        "retrying: free buffers you no longer need or lower the batch size ({})",
+        describe(), size, dropped, e.what()));
+  } catch (const std::bad_alloc&) {
+    throw OutOfMemory(fmt::format(
+        "{}: out of memory allocating {} bytes, even after freeing {} cached bytes and "
+        "retrying: free buffers you no longer need or lower the batch size",
+        describe(), size, dropped));
+  }
+}
+
+void LRUAllocator::free(Allocation allocation, std::size_t size, const BufferOptions& options) {
+  const Settings& cfg = settings();
+  if (!cfg.lru || options.nolru) {
+    free_impl(allocation, size, options);
+    return;
+  }
+  std::vector<Entry> evicted;  // empty unless the byte cap is hit: no allocation otherwise
+  {
+    std::lock_guard lock(mutex_);
+    Key key{size, options.bits()};
+    Bucket& bucket = buckets_[key];
+    Entry* e = new_entry();
+    e->allocation = allocation;
+    e->key = key;
+    e->bucket = &bucket;
+    e->key_older = bucket.newest;
+    if (bucket.newest) bucket.newest->key_newer = e;
+    bucket.newest = e;
+    e->lru_older = lru_newest_;
+    if (lru_newest_) lru_newest_->lru_newer = e;
+    else lru_oldest_ = e;
+    lru_newest_ = e;
+    stats_.bytes_cached += size;
+    stats_.entries_cached += 1;
+    if (cfg.lru_max_bytes && stats_.bytes_cached > cfg.lru_max_bytes)
+      evict_over_cap(cfg.lru_max_bytes, evicted);
+  }
+  release(evicted);
+}
+
+void LRUAllocator::free_cache() {
+  std::vector<Entry> all;
+  {
+    std::lock_guard lock(mutex_);
+    all.reserve(stats_.entries_cached);
+    evict_over_cap(0, all);
+    stats_.evictions -= all.size();  // a requested drop is not an eviction
+  }
+  release(all);
+}
+
+LRUStats LRUAllocator::stats() const {
+  std::lock_guard lock(mutex_);
+  return stats_;
+}
+
+// ---- MallocAllocator ---------------------------------------------------------------------------
+
+MallocAllocator::~MallocAllocator() { free_cache(); }
+
+Allocation MallocAllocator::alloc_impl(std::size_t size, const BufferOptions&) {
+  void* p = nullptr;
+  // posix_memalign never zero-fills; large sizes come from fresh mmap pages, which the kernel
+  // zeroes lazily on first touch, so a fresh 64 MiB buffer costs no memset here.
+  if (::posix_memalign(&p, 64, size) != 0 || !p)
+    throw OutOfMemory(fmt::format("host allocator: malloc of {} bytes failed", size));
+  return Allocation{reinterpret_cast<std::uintptr_t>(p), size, nullptr};
+}
+
+void MallocAllocator::free_impl(Allocation allocation, std::size_t, const BufferOptions&) {
+  std::free(allocation.host_ptr());
+}
+
+void MallocAllocator::copyin(Allocation dest, std::span<const std::byte> src) {
+  if (src.size() > dest.size)
+    throw InvalidArgument(fmt::format("copyin of {} bytes into a {}-byte host allocation: too large",
+                                      src.size(), dest.size));
+  std::memcpy(dest.host_ptr(), src.data(), src.size());
+}
+
+void MallocAllocator::copyout(std::span<std::byte> dest, Allocation src) {
+  if (dest.size() > src.size)
+    throw InvalidArgument(fmt::format(
+        "copyout of {} bytes from a {}-byte host allocation: too large", dest.size(), src.size));
+  std::memcpy(dest.data(), src.host_ptr(), dest.size());
+}
+
+Allocation MallocAllocator::offset(Allocation base, std::size_t size, std::size_t offset) {
+  if (offset > base.size || size > base.size - offset)
+    throw InvalidArgument(fmt::format(
+        "host allocator: a view of {} bytes at offset {} does not fit in a {}-byte allocation",
+        size, offset, base.size));
+  return Allocation{base.va_addr + offset, size, base.backend};
+}
+
+std::optional<std::span<std::byte>> MallocAllocator::as_buffer(Allocation allocation) {
+  return std::span<std::byte>(allocation.host_ptr<std::byte>(), allocation.size);
+}
+
+std::shared_ptr<MallocAllocator> MallocAllocator::shared() {
+  // Never destroyed: buffers in other static objects may still free into it at exit.
+  static auto* instance = new std::shared_ptr<MallocAllocator>(std::make_shared<MallocAllocator>());
+  return *instance;
+}
+
+}  // namespace tinydev

@@ -1,0 +1,206 @@
+#include "tinydev/registry.hpp"
+
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cctype>
+
+#include "tinydev/config.hpp"
+#include "tinydev/counters.hpp"
+#include "tinydev/device.hpp"
+#include "tinydev/error.hpp"
+
+// Note [Backend registration]
+// Backends are static libraries. The classic way to register them, a static initializer in each
+// backend's object file, silently does nothing in a consumer linked against the installed archives:
+// the linker only takes archive members that resolve an undefined symbol, and nothing references
+// the registering object. Instead the aggregate library `tinydev` holds one generated object,
+// builtin_backends.cpp, defining `tinydev_builtin_backends()`: a plain table naming each backend's
+// open function. The registry reaches it through a weak reference (so tinydev_core links alone,
+// with no backends, for tests that need no LLVM), and the `tinydev::tinydev` target carries
+// `--undefined=tinydev_builtin_backends` in its link options, which makes the linker take that
+// member, and through its references every backend, into any program linked against it.
+extern "C" const tinydev::BackendEntry* tinydev_builtin_backends(std::size_t* count)
+    __attribute__((weak));
+
+namespace tinydev {
+
+DeviceRegistry Device;
+
+namespace {
+
+bool valid_type(std::string_view type) {
+  if (type.empty() || !std::isalpha(static_cast<unsigned char>(type.front()))) return false;
+  return std::all_of(type.begin(), type.end(),
+                     [](char c) { return std::isalnum(static_cast<unsigned char>(c)) || c == '_'; });
+}
+
+std::string type_of(const std::string& canonical) {
+  return canonical.substr(0, canonical.find(':'));
+}
+
+}  // namespace
+
+std::string canonicalize(std::string_view name) {
+  if (name.empty())
+    throw InvalidArgument("empty device name: use a name such as \"LLVM\", \"CLANG\" or \"CUDA:1\"");
+  std::size_t colon = name.find(':');
+  std::string_view type = name.substr(0, colon);
+  if (!valid_type(type))
+    throw InvalidArgument(fmt::format(
+        "malformed device name '{}': the part before ':' must be a letter followed by letters, "
+        "digits or '_' (as in \"CUDA:1\")",
+        name));
+  std::string out(type);
+  std::transform(out.begin(), out.end(), out.begin(),
+                 [](unsigned char c) { return static_cast<char>(std::toupper(c)); });
+  if (colon != std::string_view::npos) {
+    std::string_view rest = name.substr(colon + 1);
+    if (rest.empty())
+      throw InvalidArgument(fmt::format(
+          "malformed device name '{}': nothing after ':'; drop the ':' or name the device, as in "
+          "\"{}:1\"",
+          name, out));
+    out += ':';
+    out += rest;
+  }
+  if (out.size() >= 2 && out.ends_with(":0")) out.resize(out.size() - 2);
+  return out;
+}
+
+struct DeviceRegistry::Slot {
+  std::mutex open_mutex;                   // held while this one device opens
+  std::atomic<Compiled*> device{nullptr};  // never freed: devices live as long as the process
+};
+
+DeviceRegistry::DeviceRegistry() = default;
+
+void DeviceRegistry::ensure_builtins() const {
+  // Caller holds mutex_.
+  if (builtins_loaded_) return;
+  builtins_loaded_ = true;
+  if (!tinydev_builtin_backends) return;
+  std::size_t count = 0;
+  const BackendEntry* entries = tinydev_builtin_backends(&count);
+  for (std::size_t i = 0; i < count; ++i) factories_.emplace_back(entries[i].name, entries[i].open);
+}
+
+std::vector<std::string> DeviceRegistry::backends() const {
+  std::lock_guard lock(mutex_);
+  ensure_builtins();
+  std::vector<std::string> out;
+  for (const auto& [type, factory] : factories_) out.push_back(type);
+  return out;
+}
+
+std::vector<std::string> DeviceRegistry::opened() const {
+  std::lock_guard lock(mutex_);
+  std::vector<std::string> out;
+  for (const auto& [name, slot] : slots_)
+    if (slot->device.load()) out.push_back(name);
+  return out;
+}
+
+BackendFactory DeviceRegistry::factory_for(const std::string& type, const std::string& asked) const {
+  // Caller holds mutex_.
+  ensure_builtins();
+  for (const auto& [t, factory] : factories_)
+    if (t == type) return factory;
+  std::vector<std::string> have;
+  for (const auto& [t, factory] : factories_) have.push_back(t);
+  throw InvalidArgument(fmt::format(
+      "unknown device '{}' (type {}): this build of tinydev has {}", asked, type,
+      have.empty() ? std::string("no backends (link tinydev::tinydev, not tinydev::core)")
+                   : fmt::format("{}", fmt::join(have, ", "))));
+}
+
+void DeviceRegistry::register_backend(std::string type, BackendFactory factory) {
+  if (!valid_type(type) || canonicalize(type) != type)
+    throw InvalidArgument(fmt::format(
+        "cannot register backend '{}': a backend type is uppercase letters, digits and '_'", type));
+  std::lock_guard lock(mutex_);
+  ensure_builtins();
+  for (const auto& [t, f] : factories_)
+    if (t == type)
+      throw InvalidArgument(fmt::format("cannot register backend '{}': it is already registered", type));
+  factories_.emplace_back(std::move(type), std::move(factory));
+}
+
+Compiled& DeviceRegistry::operator[](std::string_view name) {
+  std::string canonical = canonicalize(name);
+  std::shared_ptr<Slot> slot;
+  BackendFactory factory;
+  {
+    std::lock_guard lock(mutex_);
+    if (auto it = slots_.find(canonical); it != slots_.end()) {
+      if (Compiled* dev = it->second->device.load(std::memory_order_acquire)) return *dev;
+      slot = it->second;
+    }
+    factory = factory_for(type_of(canonical), std::string(name));
+    if (!slot) slot = slots_.emplace(canonical, std::make_shared<Slot>()).first->second;
+  }
+  // Open outside the registry lock: a slow driver init blocks only those who want this device.
+  std::lock_guard open_lock(slot->open_mutex);
+  if (Compiled* dev = slot->device.load(std::memory_order_acquire)) return *dev;
+  std::unique_ptr<Compiled> opened = factory(canonical);
+  if (!opened)
+    throw DeviceUnavailable(fmt::format("backend for '{}' returned no device", canonical));
+  debug_log(1, "opened device {} from pid:{}", canonical, ::getpid());
+  Compiled* dev = opened.release();
+  slot->device.store(dev, std::memory_order_release);
+  return *dev;
+}
+
+std::string DeviceRegistry::default_device() {
+  const Settings& s = settings();
+  if (!s.device.empty()) return s.device;
+  {
+    std::lock_guard lock(mutex_);
+    if (!default_probe_.empty()) return default_probe_;
+  }
+  std::vector<std::string> have = backends();
+  std::string reasons;
+  for (std::string candidate : {"CUDA", "LLVM", "CLANG"}) {
+    if (std::find(have.begin(), have.end(), candidate) == have.end()) {
+      reasons += fmt::format("\n  {}: not in this build", candidate);
+      continue;
+    }
+    try {
+      (*this)[candidate];
+      std::lock_guard lock(mutex_);
+      default_probe_ = candidate;
+      return candidate;
+    } catch (const std::exception& e) {
+      reasons += fmt::format("\n  {}: {}", candidate, e.what());
+    }
+  }
+  throw DeviceUnavailable(fmt::format(
+      "no usable devices:{}\nset TINYDEV_DEVICE to a device this machine can open", reasons));
+}
+
+// ---- Compiled (declared in device.hpp) ---------------------------------------------------------
+
+Compiled::Compiled(std::string name, std::shared_ptr<Allocator> allocator,
+                   std::unique_ptr<Compiler> compiler, std::unique_ptr<Runtime> runtime,
+                   SourceLanguage language)
+    : name_(std::move(name)),
+      allocator_(std::move(allocator)),
+      compiler_(compiler ? std::move(compiler) : std::make_unique<Compiler>()),
+      runtime_(std::move(runtime)),
+      language_(language) {}
+
+std::shared_ptr<Program> Compiled::load_kernel(std::string_view kernel_name, std::string_view source) {
+  if (!runtime_)
+    throw InvalidArgument(fmt::format("{} runs no kernels: it has no runtime", name_));
+  Blob blob = compiler_->compile_cached(source);
+  return runtime_->load(kernel_name, blob);
+}
+
+std::map<std::string, std::string> Compiled::properties() const {
+  return {{"source language", std::string(to_string(language_))},
+          {"allocator", allocator_->describe()}};
+}
+
+}  // namespace tinydev

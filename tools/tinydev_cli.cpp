@@ -1,0 +1,133 @@
+// The tinydev CLI: `tinydev devices` and `tinydev demo [DEVICE]`. Exit codes: 0 ok, 1 a failure
+// (device unavailable, wrong result), 2 a usage error.
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "demo_kernels.hpp"
+#include "tinydev/tinydev.hpp"
+
+namespace {
+
+constexpr const char* kUsage =
+    "usage: tinydev <command>\n"
+    "  devices          list every backend of this build: usable, or why not, and its properties\n"
+    "  demo [DEVICE]    compile an add kernel, run it on random data, check it against the CPU,\n"
+    "                   print compile times (cold, cached), kernel time and GB/s\n"
+    "                   (DEVICE defaults to the default device: TINYDEV_DEVICE, else CUDA, LLVM, CLANG)\n"
+    "  --help           this text\n";
+
+int usage_error(const std::string& why) {
+  fmt::print(stderr, "tinydev: {}\n{}", why, kUsage);
+  return 2;
+}
+
+double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+int devices() {
+  for (const std::string& type : tinydev::Device.backends()) {
+    try {
+      tinydev::Compiled& dev = tinydev::Device[type];
+      fmt::print("{:<8} usable\n", type);
+      for (const auto& [key, value] : dev.properties()) fmt::print("    {:<16} {}\n", key, value);
+    } catch (const tinydev::Error& e) {
+      fmt::print("{:<8} unavailable: {}\n", type, e.what());
+    }
+  }
+  return 0;
+}
+
+int demo(const std::string& device_name) {
+  using namespace tinydev;
+  Compiled& dev = Device[device_name];
+  const std::string src = kernels::add_f32(dev.source_language(), "add");
+  constexpr std::size_t n = 1u << 22;
+
+  auto t0 = std::chrono::steady_clock::now();
+  Blob cold = dev.compiler().compile(src);
+  const double cold_s = seconds_since(t0);
+  dev.compiler().compile_cached(src);  // make sure the entry is on disk
+  DiskCache::global().drop_memory_layer();
+  t0 = std::chrono::steady_clock::now();
+  Blob cached = dev.compiler().compile_cached(src);
+  const double cached_s = seconds_since(t0);
+  std::shared_ptr<Program> add = dev.runtime().load("add", cached);
+
+  std::mt19937 rng(std::random_device{}());
+  std::uniform_real_distribution<float> dist(-100.0f, 100.0f);
+  std::vector<float> a(n), b(n), out(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    a[i] = dist(rng);
+    b[i] = dist(rng);
+  }
+  Buffer ba(dev.name(), n, dtypes::float32), bb(dev.name(), n, dtypes::float32),
+      bo(dev.name(), n, dtypes::float32);
+  ba.allocate().copyin(std::span<const float>(a));
+  bb.allocate().copyin(std::span<const float>(b));
+  bo.allocate();
+  const Allocation bufs[] = {bo.allocation(), ba.allocation(), bb.allocation()};
+  const std::int32_t vals[] = {static_cast<std::int32_t>(n)};
+  double best = 1e30;
+  for (int rep = 0; rep < 10; ++rep)
+    best = std::min(best, *(*add)(bufs, vals, LaunchParams{.wait = true}));
+  bo.copyout(std::span<float>(out));
+  std::size_t wrong = 0;
+  for (std::size_t i = 0; i < n; ++i) wrong += out[i] != a[i] + b[i];
+
+  fmt::print("device          {} ({} kernels)\n", dev.name(), to_string(dev.source_language()));
+  fmt::print("compile cold    {:.3f} ms\n", cold_s * 1e3);
+  fmt::print("compile cached  {:.3f} ms (from the disk cache in {})\n", cached_s * 1e3,
+             DiskCache::global().folder().empty() ? "memory" : DiskCache::global().folder());
+  fmt::print("kernel          {:.3f} ms for {} floats (best of 10)\n", best * 1e3, n);
+  fmt::print("bandwidth       {:.2f} GB/s (3 x {} MiB moved)\n", 3.0 * n * 4 / best / 1e9, n * 4 >> 20);
+  if (wrong != 0) {
+    fmt::print(stderr, "tinydev demo: FAILED: {} of {} results differ from the CPU reference\n", wrong, n);
+    return 1;
+  }
+  fmt::print("check           all {} results match the CPU reference\n", n);
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<std::string> args(argv + 1, argv + argc);
+  if (args.empty()) return usage_error("missing command");
+  try {
+    if (args[0] == "--help" || args[0] == "-h" || args[0] == "help") {
+      fmt::print("{}", kUsage);
+      return 0;
+    }
+    if (args[0] == "devices") {
+      if (args.size() != 1) return usage_error("'devices' takes no arguments");
+      return devices();
+    }
+    if (args[0] == "demo") {
+      if (args.size() > 2) return usage_error("'demo' takes at most one device name");
+      std::string device;
+      if (args.size() == 2) {
+        try {
+          device = tinydev::canonicalize(args[1]);
+        } catch (const tinydev::InvalidArgument& e) {
+          return usage_error(e.what());
+        }
+      } else {
+        device = tinydev::Device.default_device();
+      }
+      return demo(device);
+    }
+    return usage_error(fmt::format("unknown command '{}'", args[0]));
+  } catch (const tinydev::InvalidArgument& e) {
+    fmt::print(stderr, "tinydev: {}\n", e.what());
+    return 2;
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "tinydev: {}\n", e.what());
+    return 1;
+  }
+}
