@@ -45,6 +45,12 @@ void init_llvm() {
 
 std::string take(llvm::Error err) { return llvm::toString(std::move(err)); }
 
+// ORC reports the root cause of a failed link (e.g. "Symbols not found: [ foo ]") to the session's
+// error reporter, and returns only "Failed to materialize symbols" from the lookup. Materialization
+// runs on the thread that looks up (LLJIT's default in-place dispatcher), so the reporter stashes
+// the cause here for that thread's load() to put in its error.
+thread_local std::string t_link_error;
+
 // Note [CPU kernel calls]
 // The object code has no signature information, so a call passes every argument as a 64-bit
 // integer: buffer addresses as they are, int32 values zero-extended. Under the x86-64 and AArch64
@@ -205,7 +211,9 @@ ObjectRuntime::ObjectRuntime(std::string device_name) : impl_(std::make_shared<I
   // Link failures are returned to the caller of lookup as errors; don't also print them.
   std::string device = impl_->device;
   impl_->jit->getExecutionSession().setErrorReporter([device](llvm::Error err) {
-    debug_log(2, "tinydev: {} JIT: {}", device, take(std::move(err)));
+    std::string what = take(std::move(err));
+    debug_log(2, "tinydev: {} JIT: {}", device, what);
+    t_link_error += (t_link_error.empty() ? "" : "; ") + what;
   });
   auto helpers = impl_->jit->createJITDylib("tinydev_helpers");
   if (!helpers)
@@ -252,7 +260,10 @@ std::shared_ptr<Program> ObjectRuntime::load(std::string_view kernel_name,
   if (!dylib) throw Error(fmt::format("{}: {}", impl_->device, take(dylib.takeError())));
   llvm::orc::JITDylib& jd = *dylib;
   jd.addToLinkOrder(*impl_->helpers);
+  t_link_error.clear();
   auto fail = [&](std::string what) -> std::shared_ptr<Program> {
+    if (!t_link_error.empty()) what = t_link_error + " (" + what + ")";
+    t_link_error.clear();
     if (llvm::Error err = es.removeJITDylib(jd)) llvm::consumeError(std::move(err));
     throw InvalidArgument(fmt::format("{}: could not load kernel '{}': {}", impl_->device,
                                       kernel_name, what));

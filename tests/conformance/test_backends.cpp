@@ -1,0 +1,157 @@
+// Device-level behaviour every backend must show: one instance per name, errors from the compiler
+// and the loader, the compile cache with the real compiler, timing and counters.
+#include <thread>
+
+#include "conformance.hpp"
+#include "demo_kernels.hpp"
+
+using namespace tinydev;
+using namespace tinydev::testing;
+
+namespace {
+const KernelSource kBroken{"define void @add(ptr %o {\n  ret void\n}\n",
+                           "void add(float* o) { this is not C; }\n"};
+const KernelSource kUnresolved{
+    "declare void @tinydev_no_such_function()\n"
+    "define void @calls_missing() {\n  call void @tinydev_no_such_function()\n  ret void\n}\n",
+    "void tinydev_no_such_function(void);\nvoid calls_missing(void) { tinydev_no_such_function(); }\n"};
+}  // namespace
+
+TEST_CASE("backends: this build has LLVM and CLANG, and the default device is one of them", "[backends]") {
+  const auto types = Device.backends();
+  CHECK(std::find(types.begin(), types.end(), "LLVM") != types.end());
+  CHECK(std::find(types.begin(), types.end(), "CLANG") != types.end());
+  ScopedOverride unset("TINYDEV_DEVICE", std::nullopt);
+  const std::string def = Device.default_device();
+  CHECK((def == "LLVM" || def == "CLANG" || def == "CUDA"));
+}
+
+TEST_CASE("backends: one instance per canonical name, even from 16 threads", "[backends]") {
+  for_each_backend([](Compiled& dev) {
+    std::string lower = dev.name();
+    std::transform(lower.begin(), lower.end(), lower.begin(), ::tolower);
+    CHECK(&Device[lower] == &dev);
+    CHECK(&Device[lower + ":0"] == &dev);
+    std::vector<Compiled*> seen(16);
+    std::vector<std::thread> threads;
+    const std::string second = dev.name() + ":7";
+    for (int i = 0; i < 16; ++i) threads.emplace_back([&, i] { seen[i] = &Device[second]; });
+    for (auto& t : threads) t.join();
+    for (Compiled* p : seen) CHECK(p == seen[0]);
+    CHECK(seen[0] != &dev);
+    CHECK(seen[0]->name() == second);
+    CHECK_FALSE(dev.properties().empty());
+  });
+}
+
+TEST_CASE("backends: invalid source is a CompileError carrying the compiler's log", "[backends]") {
+  for_each_backend([](Compiled& dev) {
+    try {
+      dev.compiler().compile(kBroken.for_device(dev));
+      FAIL("expected a CompileError");
+    } catch (const CompileError& e) {
+      INFO(e.what());
+      CHECK_FALSE(e.log().empty());
+      CHECK(e.log().find("error") != std::string::npos);
+    }
+  });
+}
+
+TEST_CASE("backends: a missing kernel name and an unresolved symbol are clear errors", "[backends]") {
+  for_each_backend([](Compiled& dev) {
+    Blob blob = dev.compiler().compile_cached(kernels::add_f32(dev.source_language()));
+    CHECK_THROWS_WITH(dev.runtime().load("nope", blob),
+                      Catch::Contains("'nope' is not in the compiled object") && Catch::Contains("add"));
+    CHECK_THROWS_WITH(dev.runtime().load("add", Blob(100, std::byte{7})),
+                      Catch::Contains("not an object file"));
+    Blob missing = dev.compiler().compile(kUnresolved.for_device(dev));
+    CHECK_THROWS_WITH(dev.runtime().load("calls_missing", missing),
+                      Catch::Contains("tinydev_no_such_function"));
+    // The device still works after the failures.
+    auto prg = dev.runtime().load("add", blob);
+    CHECK(prg->name() == "add");
+  });
+}
+
+TEST_CASE("backends: launches with a grid or too many arguments are rejected", "[backends]") {
+  for_each_backend([](Compiled& dev) {
+    auto prg = dev.load_kernel("add", kernels::add_f32(dev.source_language()));
+    Buffer o(dev.name(), 4, dtypes::float32);
+    o.allocate();
+    const Allocation bufs[] = {o.allocation(), o.allocation(), o.allocation()};
+    const std::int32_t vals[] = {4};
+    CHECK_THROWS_WITH((*prg)(bufs, vals, LaunchParams{.global = {2, 1, 1}}),
+                      Catch::Contains("global and local size must be (1,1,1)"));
+    std::vector<Allocation> many(70, o.allocation());
+    CHECK_THROWS_WITH((*prg)(many, vals), Catch::Contains("more than the 64 arguments"));
+  });
+}
+
+TEST_CASE("backends: wait returns the kernel's time and the counters move", "[backends]") {
+  for_each_backend([](Compiled& dev) {
+    auto prg = dev.load_kernel("add", kernels::add_f32(dev.source_language()));
+    const std::size_t n = 1 << 16;
+    auto a = random_floats(n, fresh_seed());
+    Buffer ba(dev.name(), n, dtypes::float32), bo(dev.name(), n, dtypes::float32);
+    ba.allocate().copyin(std::span<const float>(a));
+    bo.allocate();
+    const Allocation bufs[] = {bo.allocation(), ba.allocation(), ba.allocation()};
+    const std::int32_t vals[] = {static_cast<std::int32_t>(n)};
+    const auto kernels_before = GlobalCounters::kernel_count.load();
+    const double time_before = GlobalCounters::time_sum.load();
+    CHECK_FALSE((*prg)(bufs, vals).has_value());
+    std::optional<double> t = (*prg)(bufs, vals, LaunchParams{.wait = true});
+    REQUIRE(t.has_value());
+    CHECK(*t > 0.0);
+    CHECK(*t < 10.0);
+    CHECK(GlobalCounters::kernel_count == kernels_before + 2);
+    CHECK(GlobalCounters::time_sum.load() >= time_before + *t * 0.999);
+    std::vector<float> out(n);
+    bo.copyout(std::span<float>(out));
+    for (std::size_t i = 0; i < n; ++i) REQUIRE(out[i] == a[i] + a[i]);
+  });
+}
+
+TEST_CASE("backends: compile_cached with the real compiler, cache on, disabled and asserted", "[backends]") {
+  for_each_backend([](Compiled& dev) {
+    TempDir dir;
+    ScopedOverride folder("TINYDEV_CACHE_DIR", dir.str());
+    const std::string src = kernels::add_f32(dev.source_language(), "add_" + std::to_string(fresh_seed() % 1000000));
+    const auto before = DiskCache::global().stats();
+    Blob cold = dev.compiler().compile_cached(src);
+    CHECK_FALSE(cold.empty());
+    CHECK(DiskCache::global().stats().writes == before.writes + 1);
+    DiskCache::global().drop_memory_layer();
+    {
+      ScopedOverride strict("TINYDEV_ASSERT_COMPILE", "1");
+      CHECK(dev.compiler().compile_cached(src) == cold);
+    }
+    CHECK(DiskCache::global().stats().disk_hits == before.disk_hits + 1);
+    {
+      ScopedOverride off("TINYDEV_DISABLE_COMPILER_CACHE", "1");
+      ScopedOverride strict("TINYDEV_ASSERT_COMPILE", "1");
+      CHECK_THROWS_AS(dev.compiler().compile_cached(src), CompileError);  // bypassed: a real compile
+    }
+    const std::string other = kernels::add_f32(dev.source_language(), "other_" + std::to_string(fresh_seed() % 1000000));
+    ScopedOverride strict("TINYDEV_ASSERT_COMPILE", "1");
+    CHECK_THROWS_WITH(dev.compiler().compile_cached(other), Catch::Contains("other_"));
+  });
+}
+
+TEST_CASE("backends: the host allocator caches by size and options, and mem_used follows buffers", "[backends]") {
+  for_each_backend([](Compiled& dev) {
+    const std::size_t size = 4096 * (1 + fresh_seed() % 16);
+    Allocation a = dev.allocator().alloc(size);
+    dev.allocator().free(a, size);
+    CHECK(dev.allocator().alloc(size) == a);
+    dev.allocator().free(a, size);
+    const auto used = GlobalCounters::mem_used.load();
+    {
+      Buffer b(dev.name(), size / 4, dtypes::float32);
+      b.allocate();
+      CHECK(b.allocation() == a);  // handed back from the cache
+      CHECK(GlobalCounters::mem_used == used + static_cast<std::int64_t>(size));
+    }
+    CHECK(GlobalCounters::mem_used == used);
+  });
+}

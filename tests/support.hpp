@@ -1,0 +1,155 @@
+// tests/support.hpp: fresh random data, temporary folders and fake backends for the unit tests.
+#pragma once
+
+#include <catch2/catch.hpp>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <random>
+#include <thread>
+#include <string>
+#include <vector>
+
+#include "tinydev/tinydev.hpp"
+
+namespace tinydev::testing {
+
+// A fresh seed per call, reported by Catch on failure so a failing run can be replayed.
+inline std::uint64_t fresh_seed() {
+  static std::random_device rd;
+  return (static_cast<std::uint64_t>(rd()) << 32) | rd();
+}
+
+inline std::vector<float> random_floats(std::size_t n, std::uint64_t seed, float lo = -100.f, float hi = 100.f) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> dist(lo, hi);
+  std::vector<float> out(n);
+  for (float& x : out) x = dist(rng);
+  return out;
+}
+
+inline std::vector<std::byte> random_bytes(std::size_t n, std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::vector<std::byte> out(n);
+  for (std::byte& b : out) b = static_cast<std::byte>(rng() & 0xff);
+  return out;
+}
+
+struct TempDir {
+  std::filesystem::path path;
+  TempDir() {
+    std::string templ = (std::filesystem::temp_directory_path() / "tinydev-test-XXXXXX").string();
+    REQUIRE(::mkdtemp(templ.data()) != nullptr);
+    path = templ;
+  }
+  ~TempDir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path, ec);
+  }
+  std::string str() const { return path.string(); }
+};
+
+// Host memory behind an LRU cache, counting backend calls, with a byte limit to provoke
+// out-of-memory on demand. `host_visible=false` makes it behave like device memory (no
+// zero-copy, no views).
+class FakeAllocator final : public LRUAllocator {
+ public:
+  explicit FakeAllocator(bool host_visible = true) : host_visible_(host_visible) {}
+  ~FakeAllocator() override { free_cache(); }
+
+  std::atomic<int> backend_allocs{0}, backend_frees{0};
+  std::atomic<std::uint64_t> live_bytes{0};
+  std::atomic<std::uint64_t> limit_bytes{UINT64_MAX};
+
+  void copyin(Allocation dest, std::span<const std::byte> src) override {
+    REQUIRE(src.size() <= dest.size);
+    std::memcpy(dest.host_ptr(), src.data(), src.size());
+  }
+  void copyout(std::span<std::byte> dest, Allocation src) override {
+    REQUIRE(dest.size() <= src.size);
+    std::memcpy(dest.data(), src.host_ptr(), dest.size());
+  }
+  bool supports_offset() const noexcept override { return host_visible_; }
+  Allocation offset(Allocation base, std::size_t size, std::size_t off) override {
+    if (!host_visible_) return Allocator::offset(base, size, off);
+    return Allocation{base.va_addr + off, size, base.backend};
+  }
+  std::optional<std::span<std::byte>> as_buffer(Allocation a) override {
+    if (!host_visible_) return std::nullopt;
+    return std::span<std::byte>(a.host_ptr<std::byte>(), a.size);
+  }
+  std::string describe() const override { return "fake allocator"; }
+
+ protected:
+  Allocation alloc_impl(std::size_t size, const BufferOptions&) override {
+    if (live_bytes + size > limit_bytes)
+      throw OutOfMemory("fake allocator: over its limit of " + std::to_string(limit_bytes.load()));
+    backend_allocs++;
+    live_bytes += size;
+    return Allocation{reinterpret_cast<std::uintptr_t>(std::malloc(size)), size, nullptr};
+  }
+  void free_impl(Allocation a, std::size_t size, const BufferOptions&) override {
+    backend_frees++;
+    live_bytes -= size;
+    std::free(a.host_ptr());
+  }
+
+ private:
+  bool host_visible_;
+};
+
+// A Compiler whose "binary" is a deterministic transform of the source, counting real compiles.
+class FakeCompiler final : public Compiler {
+ public:
+  explicit FakeCompiler(std::optional<std::string> key = "compile_fake", std::string identity = "fake 1.0")
+      : Compiler(std::move(key)), identity_(std::move(identity)) {}
+  std::atomic<int> compiles{0};
+  std::string identity() const override { return identity_; }
+  Blob compile(std::string_view source) override {
+    compiles++;
+    if (source.find("#error") != std::string_view::npos)
+      throw CompileError("fake compiler rejected the source", "kernel.fake:1: error: #error found");
+    return expected(source);
+  }
+  static Blob expected(std::string_view source) {
+    Blob out;
+    for (auto it = source.rbegin(); it != source.rend(); ++it) out.push_back(static_cast<std::byte>(*it ^ 0x5a));
+    return out;
+  }
+
+ private:
+  std::string identity_;
+};
+
+class FakeDevice final : public Compiled {
+ public:
+  FakeDevice(const std::string& name, std::shared_ptr<FakeAllocator> allocator)
+      : Compiled(name, allocator, std::make_unique<FakeCompiler>(), nullptr, SourceLanguage::None),
+        fake(std::move(allocator)) {}
+  std::shared_ptr<FakeAllocator> fake;
+};
+
+// FAKE: host-visible memory. FAKEDEV: device-like memory (no zero copy, no views). Registered
+// once per process; every FAKE:n is a separate device with its own allocator.
+inline void register_fakes() {
+  static const bool once = [] {
+    Device.register_backend("FAKE", [](const std::string& name) {
+      return std::make_unique<FakeDevice>(name, std::make_shared<FakeAllocator>(true));
+    });
+    Device.register_backend("FAKEDEV", [](const std::string& name) {
+      return std::make_unique<FakeDevice>(name, std::make_shared<FakeAllocator>(false));
+    });
+    return true;
+  }();
+  (void)once;
+}
+
+inline FakeDevice& fake_device(const std::string& name = "FAKE") {
+  register_fakes();
+  return static_cast<FakeDevice&>(Device[name]);
+}
+
+}  // namespace tinydev::testing

@@ -1,0 +1,169 @@
+#include "support.hpp"
+
+using namespace tinydev;
+using namespace tinydev::testing;
+
+TEST_CASE("allocator: alloc rejects size 0", "[allocator]") {
+  FakeAllocator a;
+  CHECK_THROWS_WITH(a.alloc(0), Catch::Contains("alloc size must be positive"));
+  CHECK(a.backend_allocs == 0);
+}
+
+TEST_CASE("lru: the same handle comes back for the same size and options", "[allocator]") {
+  FakeAllocator a;
+  const std::size_t size = 1000 + fresh_seed() % 5000;
+  Allocation first = a.alloc(size);
+  a.free(first, size);
+  Allocation again = a.alloc(size);
+  CHECK(again == first);
+  CHECK(a.backend_allocs == 1);
+  LRUStats s = a.stats();
+  CHECK(s.hits == 1);
+  CHECK(s.misses == 1);
+  CHECK(s.bytes_cached == 0);
+  a.free(again, size);
+  CHECK(a.stats().bytes_cached == size);
+}
+
+TEST_CASE("lru: reuse is last-in first-out per key", "[allocator]") {
+  FakeAllocator a;
+  Allocation x = a.alloc(256), y = a.alloc(256);
+  a.free(x, 256);
+  a.free(y, 256);
+  CHECK(a.alloc(256) == y);
+  CHECK(a.alloc(256) == x);
+}
+
+TEST_CASE("lru: different options or sizes get different memory", "[allocator]") {
+  FakeAllocator a;
+  Allocation plain = a.alloc(4096);
+  a.free(plain, 4096);
+  Allocation host = a.alloc(4096, BufferOptions{.host = true});
+  CHECK(host != plain);
+  Allocation bigger = a.alloc(8192);
+  CHECK(bigger != plain);
+  CHECK(a.backend_allocs == 3);
+  CHECK(a.alloc(4096) == plain);
+  a.free(host, 4096, BufferOptions{.host = true});
+  CHECK(a.alloc(4096, BufferOptions{.host = true}) == host);
+}
+
+TEST_CASE("lru: nolru and TINYDEV_LRU=0 free for real", "[allocator]") {
+  FakeAllocator a;
+  Allocation x = a.alloc(512, BufferOptions{.nolru = true});
+  a.free(x, 512, BufferOptions{.nolru = true});
+  CHECK(a.backend_frees == 1);
+  CHECK(a.stats().entries_cached == 0);
+  {
+    ScopedOverride off("TINYDEV_LRU", "0");
+    Allocation y = a.alloc(512);
+    a.free(y, 512);
+    CHECK(a.backend_frees == 2);
+  }
+  Allocation z = a.alloc(512);
+  a.free(z, 512);
+  CHECK(a.backend_frees == 2);
+  CHECK(a.stats().entries_cached == 1);
+}
+
+TEST_CASE("lru: out of memory frees the cache and retries once", "[allocator]") {
+  FakeAllocator a;
+  a.limit_bytes = 10000;
+  Allocation x = a.alloc(6000);
+  a.free(x, 6000);  // cached: the backend still holds 6000 bytes
+  Allocation y = a.alloc(5000);  // 6000 + 5000 > limit: drop the cache, retry, succeed
+  CHECK(a.backend_frees == 1);
+  CHECK(a.stats().oom_retries == 1);
+  CHECK(a.stats().bytes_cached == 0);
+  // Still too big after dropping everything: OutOfMemory, and the live allocation is untouched.
+  CHECK_THROWS_AS(a.alloc(9000), OutOfMemory);
+  CHECK_THROWS_WITH(a.alloc(9000), Catch::Contains("even after freeing"));
+  CHECK(a.live_bytes == 5000);
+  a.free(y, 5000);
+}
+
+TEST_CASE("lru: TINYDEV_LRU_MAX_BYTES evicts the least recently freed", "[allocator]") {
+  ScopedOverride cap("TINYDEV_LRU_MAX_BYTES", "3000");
+  FakeAllocator a;
+  Allocation p = a.alloc(1000), q = a.alloc(1000), r = a.alloc(1000), s = a.alloc(500);
+  a.free(p, 1000);
+  a.free(q, 1000);
+  a.free(r, 1000);
+  CHECK(a.stats().bytes_cached == 3000);
+  a.free(s, 500);  // over the cap: p (freed first) goes
+  CHECK(a.stats().bytes_cached == 2500);
+  CHECK(a.stats().evictions == 1);
+  CHECK(a.backend_frees == 1);
+  CHECK(a.alloc(1000) == r);
+  CHECK(a.alloc(1000) == q);
+  const int backend_before = a.backend_allocs;
+  a.alloc(1000);  // p was really freed: this one comes from the backend
+  CHECK(a.backend_allocs == backend_before + 1);
+}
+
+TEST_CASE("lru: free_cache returns everything to the backend", "[allocator]") {
+  FakeAllocator a;
+  std::vector<Allocation> xs;
+  for (int i = 0; i < 100; ++i) xs.push_back(a.alloc(64 + (i % 7) * 64));
+  for (int i = 0; i < 100; ++i) a.free(xs[i], 64 + (i % 7) * 64);
+  CHECK(a.stats().entries_cached == 100);
+  a.free_cache();
+  CHECK(a.stats().entries_cached == 0);
+  CHECK(a.stats().bytes_cached == 0);
+  CHECK(a.backend_frees == 100);
+  CHECK(a.live_bytes == 0);
+}
+
+TEST_CASE("lru: concurrent alloc and free from 8 threads keep the books straight", "[allocator]") {
+  FakeAllocator a;
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 8; ++t)
+    threads.emplace_back([&a, t] {
+      std::mt19937 rng(static_cast<unsigned>(t));
+      std::vector<std::pair<Allocation, std::size_t>> held;
+      for (int i = 0; i < 2000; ++i) {
+        if (held.size() < 8 && (rng() % 2 || held.empty())) {
+          std::size_t size = 64 * (1 + rng() % 4);
+          Allocation x = a.alloc(size);
+          std::memset(x.host_ptr(), t, size);  // we own it exclusively
+          held.emplace_back(x, size);
+        } else {
+          auto [x, size] = held.back();
+          for (std::size_t k = 0; k < size; ++k) REQUIRE(x.host_ptr<unsigned char>()[k] == t);
+          held.pop_back();
+          a.free(x, size);
+        }
+      }
+      for (auto [x, size] : held) a.free(x, size);
+    });
+  for (auto& t : threads) t.join();
+  LRUStats s = a.stats();
+  CHECK(s.misses == static_cast<std::uint64_t>(a.backend_allocs.load()));  // one backend call per miss
+  CHECK(s.hits > 0);
+  a.free_cache();
+  CHECK(a.live_bytes == 0);
+}
+
+TEST_CASE("malloc allocator: aligned, host-visible, with views", "[allocator]") {
+  MallocAllocator a;
+  const std::uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  const std::size_t size = 1 + seed % 100000;
+  Allocation x = a.alloc(size);
+  CHECK(x.va_addr % 64 == 0);
+  auto data = random_bytes(size, seed);
+  a.copyin(x, data);
+  std::vector<std::byte> back(size);
+  a.copyout(back, x);
+  CHECK(back == data);
+  auto window = a.as_buffer(x);
+  REQUIRE(window);
+  CHECK(std::equal(window->begin(), window->end(), data.begin()));
+  const std::size_t off = size / 3;
+  Allocation v = a.offset(x, size - off, off);
+  CHECK(v.va_addr == x.va_addr + off);
+  CHECK(std::memcmp(v.host_ptr(), data.data() + off, size - off) == 0);
+  CHECK_THROWS_AS(a.offset(x, size, 1), InvalidArgument);
+  CHECK_THROWS_AS(a.copyin(x, random_bytes(size + 1, seed)), InvalidArgument);
+  a.free(x, size);
+}
