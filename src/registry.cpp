@@ -75,7 +75,8 @@ struct DeviceRegistry::Slot {
   std::atomic<Compiled*> device{nullptr};  // never freed: devices live as long as the process
 };
 
-DeviceRegistry::DeviceRegistry() = default;
+DeviceRegistry::DeviceRegistry()
+    : slots_(*new std::map<std::string, std::shared_ptr<Slot>, std::less<>>()) {}
 
 void DeviceRegistry::ensure_builtins() const {
   // Caller holds mutex_.

@@ -188,6 +188,8 @@ class CpuProgram final : public Program {
     return seconds;
   }
 
+  void* host_function() const noexcept override { return fn_; }
+
  private:
   std::shared_ptr<ObjectRuntime::Impl> jit_;  // the JIT outlives every program it loaded
   llvm::orc::JITDylib* dylib_;

@@ -108,6 +108,11 @@ class Program {
                                            std::span<const std::int32_t> values = {},
                                            const LaunchParams& params = {}) = 0;
 
+  // The kernel's entry point where it is host code callable with the kernel ABI (the CPU
+  // backends), for callers that dispatch it themselves; nullptr on devices that run elsewhere.
+  // Valid while this Program is alive.
+  virtual void* host_function() const noexcept { return nullptr; }
+
  protected:
   explicit Program(std::string name) : name_(std::move(name)) {}
 

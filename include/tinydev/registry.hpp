@@ -69,7 +69,9 @@ class DeviceRegistry {
   mutable std::mutex mutex_;
   mutable bool builtins_loaded_ = false;
   mutable std::vector<std::pair<std::string, BackendFactory>> factories_;
-  std::map<std::string, std::shared_ptr<Slot>, std::less<>> slots_;
+  // Never freed, on purpose: devices outlive every static destructor that may still use them,
+  // and leak checkers see them reachable from this global.
+  std::map<std::string, std::shared_ptr<Slot>, std::less<>>& slots_;
   std::string default_probe_;  // cached result of the CUDA/LLVM/CLANG probe
 };
 

@@ -14,7 +14,7 @@ TEST_CASE("lru: the same handle comes back for the same size and options", "[all
   const std::size_t size = 1000 + fresh_seed() % 5000;
   Allocation first = a.alloc(size);
   a.free(first, size);
-  Allocation again = a.alloc(size);
+  Allocation again = a.alloc(size);  // freed below
   CHECK(again == first);
   CHECK(a.backend_allocs == 1);
   LRUStats s = a.stats();
@@ -32,6 +32,8 @@ TEST_CASE("lru: reuse is last-in first-out per key", "[allocator]") {
   a.free(y, 256);
   CHECK(a.alloc(256) == y);
   CHECK(a.alloc(256) == x);
+  a.free(x, 256);
+  a.free(y, 256);
 }
 
 TEST_CASE("lru: different options or sizes get different memory", "[allocator]") {
@@ -46,6 +48,9 @@ TEST_CASE("lru: different options or sizes get different memory", "[allocator]")
   CHECK(a.alloc(4096) == plain);
   a.free(host, 4096, BufferOptions{.host = true});
   CHECK(a.alloc(4096, BufferOptions{.host = true}) == host);
+  a.free(plain, 4096);
+  a.free(host, 4096, BufferOptions{.host = true});
+  a.free(bigger, 8192);
 }
 
 TEST_CASE("lru: nolru and TINYDEV_LRU=0 free for real", "[allocator]") {
@@ -97,8 +102,9 @@ TEST_CASE("lru: TINYDEV_LRU_MAX_BYTES evicts the least recently freed", "[alloca
   CHECK(a.alloc(1000) == r);
   CHECK(a.alloc(1000) == q);
   const int backend_before = a.backend_allocs;
-  a.alloc(1000);  // p was really freed: this one comes from the backend
+  Allocation fresh = a.alloc(1000);  // p was really freed: this one comes from the backend
   CHECK(a.backend_allocs == backend_before + 1);
+  for (Allocation x : {q, r, fresh}) a.free(x, 1000);
 }
 
 TEST_CASE("lru: free_cache returns everything to the backend", "[allocator]") {
