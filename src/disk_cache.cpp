@@ -131,11 +131,19 @@ struct DiskCache::Impl {
         warn_once("has no folder (TINYDEV_CACHE_DIR, XDG_CACHE_HOME and HOME are unset)");
         return false;
       }
-      std::error_code ec;
-      fs::create_directories(folder, ec);
-      if (ec || ::access(folder.c_str(), W_OK | X_OK) != 0) {
-        warn_once(fmt::format("folder '{}' is not usable ({})", folder,
-                              ec ? ec.message() : std::strerror(errno)));
+      // One mkdir(2) in the common case (the folder exists); the full walk only when a parent is
+      // missing. Writability shows at the first put, which falls back to uncached if it fails.
+      if (::mkdir(folder.c_str(), 0755) != 0 && errno != EEXIST) {
+        std::error_code ec;
+        fs::create_directories(folder, ec);
+        if (ec) {
+          warn_once(fmt::format("folder '{}' cannot be created ({})", folder, ec.message()));
+          return false;
+        }
+      }
+      struct stat st {};
+      if (::stat(folder.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
+        warn_once(fmt::format("path '{}' is not a folder", folder));
         return false;
       }
       folder_ready = true;

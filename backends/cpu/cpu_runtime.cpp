@@ -1,5 +1,7 @@
 #include "cpu_runtime.hpp"
 
+#include "elf_loader.hpp"
+
 #include <dlfcn.h>
 #include <fmt/format.h>
 #include <llvm/ExecutionEngine/Orc/ExecutionUtils.h>
@@ -31,6 +33,28 @@ float tinydev_h2f_ieee(std::uint16_t);
 namespace tinydev::cpu {
 
 namespace {
+
+struct Helper {
+  const char* name;
+  void* address;
+};
+// The conversion helpers compiled kernels call (cpu_helpers.cpp), by their compiler-rt names.
+const Helper kHelpers[] = {
+    {"__extendhfsf2", reinterpret_cast<void*>(&tinydev_extendhfsf2)},
+    {"__truncsfhf2", reinterpret_cast<void*>(&tinydev_truncsfhf2)},
+    {"__truncdfhf2", reinterpret_cast<void*>(&tinydev_truncdfhf2)},
+    {"__truncsfbf2", reinterpret_cast<void*>(&tinydev_truncsfbf2)},
+    {"__truncdfbf2", reinterpret_cast<void*>(&tinydev_truncdfbf2)},
+    {"__gnu_f2h_ieee", reinterpret_cast<void*>(&tinydev_f2h_ieee)},
+    {"__gnu_h2f_ieee", reinterpret_cast<void*>(&tinydev_h2f_ieee)},
+};
+
+// Helpers first, then whatever the process has loaded (libm, libc).
+void* resolve_external(std::string_view name) {
+  for (const Helper& h : kHelpers)
+    if (name == h.name) return h.address;
+  return ::dlsym(RTLD_DEFAULT, std::string(name).c_str());
+}
 
 void init_llvm() {
   static std::once_flag once;
@@ -145,15 +169,9 @@ namespace {
 
 class CpuProgram final : public Program {
  public:
-  CpuProgram(std::string name, std::shared_ptr<ObjectRuntime::Impl> jit, llvm::orc::JITDylib* dylib,
-             void* fn)
-      : Program(std::move(name)), jit_(std::move(jit)), dylib_(dylib), fn_(fn) {}
-
-  ~CpuProgram() override {
-    // Frees the code; other programs (even of the same kernel name) live in other dylibs.
-    if (llvm::Error err = jit_->jit->getExecutionSession().removeJITDylib(*dylib_))
-      debug_log(1, "tinydev: unloading {} on {} failed: {}", name(), jit_->device, take(std::move(err)));
-  }
+  // `code` owns the memory `fn` lives in: a LoadedObject, or an ORC dylib's removal.
+  CpuProgram(std::string name, std::shared_ptr<ObjectRuntime::Impl> jit, std::shared_ptr<void> code, void* fn)
+      : Program(std::move(name)), jit_(std::move(jit)), code_(std::move(code)), fn_(fn) {}
 
   std::optional<double> operator()(std::span<const Allocation> buffers,
                                    std::span<const std::int32_t> values,
@@ -192,7 +210,7 @@ class CpuProgram final : public Program {
 
  private:
   std::shared_ptr<ObjectRuntime::Impl> jit_;  // the JIT outlives every program it loaded
-  llvm::orc::JITDylib* dylib_;
+  std::shared_ptr<void> code_;
   void* fn_;
 };
 
@@ -223,17 +241,9 @@ ObjectRuntime::ObjectRuntime(std::string device_name) : impl_(std::make_shared<I
   impl_->helpers = &*helpers;
   auto& es = impl_->jit->getExecutionSession();
   llvm::orc::SymbolMap symbols;
-  auto add = [&](const char* name, auto* fn) {
-    symbols[es.intern(name)] = llvm::orc::ExecutorSymbolDef(
-        llvm::orc::ExecutorAddr::fromPtr(reinterpret_cast<void*>(fn)), llvm::JITSymbolFlags::Exported);
-  };
-  add("__extendhfsf2", &tinydev_extendhfsf2);
-  add("__truncsfhf2", &tinydev_truncsfhf2);
-  add("__truncdfhf2", &tinydev_truncdfhf2);
-  add("__truncsfbf2", &tinydev_truncsfbf2);
-  add("__truncdfbf2", &tinydev_truncdfbf2);
-  add("__gnu_f2h_ieee", &tinydev_f2h_ieee);
-  add("__gnu_h2f_ieee", &tinydev_h2f_ieee);
+  for (const Helper& h : kHelpers)
+    symbols[es.intern(h.name)] = llvm::orc::ExecutorSymbolDef(llvm::orc::ExecutorAddr::fromPtr(h.address),
+                                                               llvm::JITSymbolFlags::Exported);
   if (llvm::Error err = impl_->helpers->define(llvm::orc::absoluteSymbols(std::move(symbols))))
     throw DeviceUnavailable(fmt::format("{}: {}", impl_->device, take(std::move(err))));
   auto process = llvm::orc::DynamicLibrarySearchGenerator::GetForCurrentProcess(
@@ -247,7 +257,8 @@ ObjectRuntime::~ObjectRuntime() = default;
 
 std::shared_ptr<Program> ObjectRuntime::load(std::string_view kernel_name,
                                              std::span<const std::byte> blob) {
-  std::vector<std::string> defined = object_functions(blob);
+  std::optional<std::vector<std::string>> elf = elf_functions(blob);
+  std::vector<std::string> defined = elf ? std::move(*elf) : object_functions(blob);
   if (defined.empty())
     throw InvalidArgument(fmt::format("{}: the blob for kernel '{}' ({} bytes) is not an object "
                                       "file defining any function: pass what compile() returned",
@@ -256,6 +267,25 @@ std::shared_ptr<Program> ObjectRuntime::load(std::string_view kernel_name,
     throw InvalidArgument(fmt::format("{}: kernel '{}' is not in the compiled object, which defines "
                                       "{}: check the kernel name",
                                       impl_->device, kernel_name, fmt::join(defined, ", ")));
+#if defined(__x86_64__)
+  // The fast path (Note [Two object loaders] in elf_loader.hpp); ORC below when it declines.
+  ElfLoadResult fast = load_elf_x86_64(blob, kernel_name, &resolve_external);
+  if (!fast.error.empty())
+    throw InvalidArgument(fmt::format("{}: could not load kernel '{}': {}", impl_->device, kernel_name,
+                                      fast.error));
+  if (fast.object) {
+    void* fn = fast.object->entry;
+    return std::make_shared<CpuProgram>(std::string(kernel_name), impl_,
+                                        std::shared_ptr<void>(std::move(fast.object)), fn);
+  }
+  debug_log(2, "tinydev: {}: the fast loader declined '{}' ({}); loading with ORC", impl_->device,
+            kernel_name, fast.declined);
+#endif
+  return load_with_orc(kernel_name, blob);
+}
+
+std::shared_ptr<Program> ObjectRuntime::load_with_orc(std::string_view kernel_name,
+                                                      std::span<const std::byte> blob) {
   auto& es = impl_->jit->getExecutionSession();
   auto dylib = impl_->jit->createJITDylib(
       fmt::format("{}_{}", kernel_name, impl_->counter.fetch_add(1)));
@@ -276,7 +306,14 @@ std::shared_ptr<Program> ObjectRuntime::load(std::string_view kernel_name,
   if (llvm::Error err = impl_->jit->addObjectFile(jd, std::move(buffer))) return fail(take(std::move(err)));
   auto addr = impl_->jit->lookup(jd, llvm::StringRef(kernel_name.data(), kernel_name.size()));
   if (!addr) return fail(take(addr.takeError()));
-  return std::make_shared<CpuProgram>(std::string(kernel_name), impl_, &jd, addr->toPtr<void*>());
+  // Unloading frees the code; other programs (even of the same kernel name) live in other dylibs.
+  std::shared_ptr<Impl> jit = impl_;
+  std::shared_ptr<void> owner(&jd, [jit](void* p) {
+    auto* dylib = static_cast<llvm::orc::JITDylib*>(p);
+    if (llvm::Error err = jit->jit->getExecutionSession().removeJITDylib(*dylib))
+      debug_log(1, "tinydev: unloading a kernel on {} failed: {}", jit->device, take(std::move(err)));
+  });
+  return std::make_shared<CpuProgram>(std::string(kernel_name), impl_, std::move(owner), addr->toPtr<void*>());
 }
 
 }  // namespace tinydev::cpu

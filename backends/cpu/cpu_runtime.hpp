@@ -1,8 +1,9 @@
 // backends/cpu/cpu_runtime.hpp: what the two CPU backends (LLVM, CLANG) share. Internal header:
 // no LLVM types appear here, so the backends' device code compiles without LLVM's headers.
 //
-//  - ObjectRuntime loads relocatable object files (ELF, as `compile` returns) into an ORC JIT and
-//    hands out Programs. Each load gets its own JIT dylib, so programs with the same kernel name
+//  - ObjectRuntime loads relocatable object files (ELF, as `compile` returns) and hands out
+//    Programs: with the fast ELF loader on x86-64, else (or when it declines) with ORC's JITLink
+//    (Note [Two object loaders] in elf_loader.hpp). Each load gets its own JIT dylib, so programs with the same kernel name
 //    coexist and each is freed when its last Program handle goes. Undefined symbols resolve to the
 //    half/bfloat16 conversion helpers (cpu_helpers.cpp), then to the process (libm, libc).
 //  - host_target(): the host's triple, CPU name and feature string, detected once.
@@ -35,6 +36,9 @@ class ObjectRuntime final : public Runtime {
   explicit ObjectRuntime(std::string device_name);
   ~ObjectRuntime() override;
   std::shared_ptr<Program> load(std::string_view kernel_name, std::span<const std::byte> blob) override;
+  // The general path: ORC's JITLink (any object LLVM links, on any host). load() uses it when the
+  // fast ELF loader declines; public so tests can compare the two.
+  std::shared_ptr<Program> load_with_orc(std::string_view kernel_name, std::span<const std::byte> blob);
 
   struct Impl;
 

@@ -1,0 +1,94 @@
+// The CPU backends' two object loaders (Note [Two object loaders]): the fast ELF path and ORC must
+// run the same objects to the same results, and a declined object must still load through ORC.
+#include "conformance.hpp"
+#include "cpu_runtime.hpp"
+#include "demo_kernels.hpp"
+#include "elf_loader.hpp"
+
+using namespace tinydev;
+using namespace tinydev::testing;
+
+namespace {
+
+cpu::ObjectRuntime* cpu_runtime(Compiled& dev) { return dynamic_cast<cpu::ObjectRuntime*>(&dev.runtime()); }
+
+std::vector<float> run(Program& prg, Compiled& dev, const std::vector<float>& a, const std::vector<float>& b) {
+  const std::size_t n = a.size();
+  Buffer ba(dev.name(), n, dtypes::float32), bb(dev.name(), n, dtypes::float32), bo(dev.name(), n, dtypes::float32);
+  ba.allocate().copyin(std::span<const float>(a));
+  bb.allocate().copyin(std::span<const float>(b));
+  bo.allocate();
+  const Allocation bufs[] = {bo.allocation(), ba.allocation(), bb.allocation()};
+  const std::int32_t vals[] = {static_cast<std::int32_t>(n)};
+  prg(bufs, vals);
+  std::vector<float> out(n);
+  bo.copyout(std::span<float>(out));
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("loaders: ORC and the fast ELF loader give the same results", "[loaders]") {
+  for_each_backend([](Compiled& dev) {
+    cpu::ObjectRuntime* rt = cpu_runtime(dev);
+    if (!rt) {
+      WARN("skipping " << dev.name() << ": not a CPU object runtime");
+      return;
+    }
+    const std::uint64_t seed = fresh_seed();
+    INFO("seed " << seed);
+    const std::size_t n = 10007;
+    auto a = random_floats(n, seed), b = random_floats(n, seed + 1);
+    Blob blob = dev.compiler().compile_cached(kernels::add_f32(dev.source_language()));
+    auto fast = rt->load("add", blob);
+    auto orc = rt->load_with_orc("add", blob);
+    CHECK(fast->host_function() != orc->host_function());
+    auto out_fast = run(*fast, dev, a, b), out_orc = run(*orc, dev, a, b);
+    for (std::size_t i = 0; i < n; ++i) {
+      REQUIRE(out_fast[i] == a[i] + b[i]);
+      REQUIRE(out_orc[i] == a[i] + b[i]);
+    }
+  });
+}
+
+TEST_CASE("loaders: an object the fast loader declines still loads through ORC", "[loaders]") {
+  // A constructor (one the optimizer cannot evaluate away) puts an .init_array section in the object, which the fast loader leaves to ORC.
+  const KernelSource with_ctor{
+      "@llvm.global_ctors = appending global [1 x { i32, ptr, ptr }] [{ i32, ptr, ptr } { i32 65535, ptr @init, ptr null }]\n"
+      "declare i32 @getpid()\n"
+      "define internal void @init() {\n  %p = call i32 @getpid()\n  ret void\n}\n" +
+          kernels::add_f32(SourceLanguage::LLVMIR),
+      "int getpid(void);\n__attribute__((constructor)) static void init(void) { getpid(); }\n" + kernels::add_f32(SourceLanguage::C)};
+  for_each_backend([&](Compiled& dev) {
+    if (!cpu_runtime(dev)) return;
+    Blob blob = dev.compiler().compile(with_ctor.for_device(dev));
+    cpu::ElfLoadResult probe = cpu::load_elf_x86_64(blob, "add", [](std::string_view) { return nullptr; });
+#if defined(__x86_64__)
+    CHECK_FALSE(probe.object);
+    CHECK_THAT(probe.declined, Catch::Contains("initializers"));
+#endif
+    auto prg = dev.runtime().load("add", blob);
+    const std::uint64_t seed = fresh_seed();
+    auto a = random_floats(257, seed), b = random_floats(257, seed + 7);
+    auto out = run(*prg, dev, a, b);
+    for (std::size_t i = 0; i < a.size(); ++i) REQUIRE(out[i] == a[i] + b[i]);
+  });
+}
+
+TEST_CASE("loaders: the fast loader rejects garbage without crashing", "[loaders]") {
+  const std::uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  Compiled& dev = Device["LLVM"];
+  Blob blob = dev.compiler().compile_cached(kernels::add_f32(SourceLanguage::LLVMIR));
+  std::mt19937_64 rng(seed);
+  auto resolve = [](std::string_view) -> void* { return nullptr; };
+  for (int i = 0; i < 300; ++i) {
+    Blob damaged = blob;
+    for (int k = 0; k < 4; ++k) damaged[rng() % damaged.size()] = static_cast<std::byte>(rng() & 0xff);
+    // Either it loads (the damage hit bytes that do not matter), declines, or reports an error:
+    // never a crash or an out-of-bounds read (ASan checks the latter).
+    cpu::ElfLoadResult r = cpu::load_elf_x86_64(damaged, "add", resolve);
+    CHECK((r.object != nullptr) + !r.declined.empty() + !r.error.empty() == 1);
+  }
+  CHECK_FALSE(cpu::elf_functions(Blob(64, std::byte{0})).has_value());
+}
