@@ -192,17 +192,18 @@ class CpuProgram final : public Program {
     std::size_t n = 0;
     for (const Allocation& b : buffers) args[n++] = b.va_addr;
     for (std::int32_t v : values) args[n++] = static_cast<std::uint32_t>(v);
-    GlobalCounters::kernel_count.fetch_add(1, std::memory_order_relaxed);
+    const std::int64_t launched = GlobalCounters::kernel_count.fetch_add(1, std::memory_order_relaxed) + 1;
     if (!params.wait) [[likely]] {
       kCallTable[n](fn_, args);
+      debug_log(2, "*** {:<7} {:>6} {:<40} arg {:>3}", jit_->device, launched, name(), count);
       return std::nullopt;
     }
     const auto start = std::chrono::steady_clock::now();
     kCallTable[n](fn_, args);
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     GlobalCounters::time_sum.fetch_add(seconds, std::memory_order_relaxed);
-    debug_log(2, "*** {:<7} {:>6} {:<40} arg {:>3} tm {:9.2f}us", jit_->device,
-              GlobalCounters::kernel_count.load(), name(), count, seconds * 1e6);
+    debug_log(2, "*** {:<7} {:>6} {:<40} arg {:>3} tm {:9.2f}us", jit_->device, launched, name(),
+              count, seconds * 1e6);
     return seconds;
   }
 

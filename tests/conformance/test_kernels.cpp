@@ -330,6 +330,62 @@ TEST_CASE("kernels: two programs with the same kernel name and different code co
   });
 }
 
+TEST_CASE("kernels: IR in the style code generators emit (vectors, fast-math, attribute groups)", "[kernels]") {
+  // Shaped like tinygrad's LLVM renderer output: opaque pointers, `noalias align 32` parameters,
+  // <4 x float> loads, fast-math flags, an attribute group, a row-sum reduction loop.
+  const std::string ir = R"(define void @r_64_16_4(ptr noalias align 32 %data0, ptr noalias align 32 %data1) #0
+{
+entry:
+  br label %loop_row
+loop_row:
+  %ridx0 = phi i32 [ 0, %entry ], [ %ridx0_next, %row_end ]
+  %rowbase = mul i32 %ridx0, 64
+  br label %loop_red
+loop_red:
+  %ridx1 = phi i32 [ 0, %loop_row ], [ %ridx1_next, %loop_red ]
+  %acc = phi <4 x float> [ zeroinitializer, %loop_row ], [ %acc_next, %loop_red ]
+  %off = mul i32 %ridx1, 4
+  %idx = add i32 %rowbase, %off
+  %idx64 = sext i32 %idx to i64
+  %ptr = getelementptr inbounds float, ptr %data1, i64 %idx64
+  %val = load <4 x float>, ptr %ptr, align 16
+  %acc_next = fadd nsz arcp contract afn reassoc <4 x float> %acc, %val
+  %ridx1_next = add i32 %ridx1, 1
+  %red_done = icmp eq i32 %ridx1_next, 16
+  br i1 %red_done, label %row_end, label %loop_red
+row_end:
+  %sum = call nsz arcp contract afn reassoc float @llvm.vector.reduce.fadd.v4f32(float 0.0, <4 x float> %acc_next)
+  %out64 = sext i32 %ridx0 to i64
+  %outp = getelementptr inbounds float, ptr %data0, i64 %out64
+  store float %sum, ptr %outp, align 4
+  %ridx0_next = add i32 %ridx0, 1
+  %rows_done = icmp eq i32 %ridx0_next, 64
+  br i1 %rows_done, label %exit, label %loop_row
+exit:
+  ret void
+}
+declare float @llvm.vector.reduce.fadd.v4f32(float, <4 x float>)
+attributes #0 = { nounwind "no-builtins" "no-trapping-math"="true" }
+)";
+  Compiled& dev = Device["LLVM"];
+  const std::uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  auto in = random_floats(64 * 64, seed, -1.f, 1.f);
+  Buffer bi("LLVM", in.size(), dtypes::float32), bo("LLVM", 64, dtypes::float32);
+  bi.allocate().copyin(std::span<const float>(in));
+  bo.allocate();
+  auto prg = dev.load_kernel("r_64_16_4", ir);
+  const Allocation bufs[] = {bo.allocation(), bi.allocation()};
+  (*prg)(bufs);
+  std::vector<float> out(64);
+  bo.copyout(std::span<float>(out));
+  for (int r = 0; r < 64; ++r) {
+    double want = 0;
+    for (int c = 0; c < 64; ++c) want += in[r * 64 + c];
+    REQUIRE(std::fabs(out[r] - want) < 1e-4);
+  }
+}
+
 TEST_CASE("kernels: 8 threads compile, load and run concurrently on one device", "[kernels]") {
   for_each_backend([](Compiled& dev) {
     const std::uint64_t seed = fresh_seed();
