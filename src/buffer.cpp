@@ -49,6 +49,11 @@ struct Buffer::State {
       buf = alloc->offset(*base->buf, nbytes(), offset);
     } else {
       if (opaque) {
+        if (opaque->size != 0 && opaque->size < nbytes())
+          throw InvalidArgument(fmt::format(
+              "cannot adopt an allocation of {} bytes for a buffer of {} bytes on {}: adopt one at "
+              "least as large",
+              opaque->size, nbytes(), device));
         buf = *opaque;
       } else {
         if (nbytes() == 0)

@@ -88,7 +88,8 @@ Settings parse(const State& s) {
   if (auto v = get("TINYDEV_CACHE_DIR"); v && !v->empty()) {
     out.cache_dir = *v;
   } else {
-    // XDG_CACHE_HOME and HOME are not ours to override: read them live from the environment.
+    // XDG_CACHE_HOME and HOME are not ours to override: read from the environment whenever a
+    // snapshot is built (first use, overrides, reload_environment).
     const char* xdg = std::getenv("XDG_CACHE_HOME");
     const char* home = std::getenv("HOME");
     if (xdg && *xdg) out.cache_dir = std::string(xdg) + "/tinydev";

@@ -110,10 +110,11 @@ struct DiskCache::Impl {
   Stats stats;
   std::atomic<std::uint64_t> temp_counter{0};
 
+  // Says once (per folder) why the disk layer is not working; only counts as said when it printed.
   void warn_once(const std::string& what) {
-    if (warned) return;
+    if (warned || settings().debug < 1) return;
     warned = true;
-    debug_log(1, "tinydev: compile cache {}; compiling uncached from now on in this process", what);
+    debug_log(1, "tinydev: compile cache {}; entries are kept in memory only where this fails", what);
   }
 
   // Caller holds mutex. Re-checks when TINYDEV_CACHE_DIR changed (scoped overrides in tests).
@@ -132,7 +133,7 @@ struct DiskCache::Impl {
         return false;
       }
       // One mkdir(2) in the common case (the folder exists); the full walk only when a parent is
-      // missing. Writability shows at the first put, which falls back to uncached if it fails.
+      // missing. Writability shows at each put: a failed write leaves that entry in memory only.
       if (::mkdir(folder.c_str(), 0755) != 0 && errno != EEXIST) {
         std::error_code ec;
         fs::create_directories(folder, ec);
@@ -152,6 +153,10 @@ struct DiskCache::Impl {
   }
 
   void remember(const std::string& name, std::string full, std::shared_ptr<const Blob> blob) {
+    if (auto it = memory.find(name); it != memory.end()) {
+      memory_bytes -= it->second.blob->size();
+      memory.erase(it);
+    }
     if (memory_bytes + blob->size() > kMemoryLayerBytes) {
       memory.clear();
       memory_bytes = 0;
@@ -316,11 +321,16 @@ void DiskCache::put(std::string_view key, std::string_view identity, std::string
   const std::string temp = fmt::format(
       "{}/.tmp-{}-{}-{:x}-{}", folder, name, ::getpid(),
       std::hash<std::thread::id>()(std::this_thread::get_id()), impl_->temp_counter.fetch_add(1));
+  int err = 0;
+  auto step = [&err](bool ok) {
+    if (!ok && err == 0) err = errno ? errno : EIO;  // the first failure's reason
+    return ok;
+  };
+  errno = 0;
   int fd = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
-  bool ok = fd >= 0 && write_all(fd, entry.data(), entry.size());
-  if (fd >= 0) ok = (::close(fd) == 0) && ok;
-  ok = ok && ::rename(temp.c_str(), path.c_str()) == 0;
-  const int err = errno;
+  bool ok = step(fd >= 0) && step(write_all(fd, entry.data(), entry.size()));
+  if (fd >= 0) ok = step(::close(fd) == 0) && ok;
+  ok = ok && step(::rename(temp.c_str(), path.c_str()) == 0);
   std::lock_guard lock(impl_->mutex);
   if (!ok) {
     ::unlink(temp.c_str());

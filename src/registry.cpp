@@ -27,7 +27,7 @@ extern "C" const tinydev::BackendEntry* tinydev_builtin_backends(std::size_t* co
 
 namespace tinydev {
 
-DeviceRegistry Device;
+constinit DeviceRegistry Device;
 
 namespace {
 
@@ -75,8 +75,11 @@ struct DeviceRegistry::Slot {
   std::atomic<Compiled*> device{nullptr};  // never freed: devices live as long as the process
 };
 
-DeviceRegistry::DeviceRegistry()
-    : slots_(*new std::map<std::string, std::shared_ptr<Slot>, std::less<>>()) {}
+DeviceRegistry::SlotMap& DeviceRegistry::slots() const {
+  // Caller holds mutex_.
+  if (!slots_) slots_ = new SlotMap();
+  return *slots_;
+}
 
 void DeviceRegistry::ensure_builtins() const {
   // Caller holds mutex_.
@@ -99,7 +102,7 @@ std::vector<std::string> DeviceRegistry::backends() const {
 std::vector<std::string> DeviceRegistry::opened() const {
   std::lock_guard lock(mutex_);
   std::vector<std::string> out;
-  for (const auto& [name, slot] : slots_)
+  for (const auto& [name, slot] : slots())
     if (slot->device.load()) out.push_back(name);
   return out;
 }
@@ -135,12 +138,12 @@ Compiled& DeviceRegistry::operator[](std::string_view name) {
   BackendFactory factory;
   {
     std::lock_guard lock(mutex_);
-    if (auto it = slots_.find(canonical); it != slots_.end()) {
+    if (auto it = slots().find(canonical); it != slots().end()) {
       if (Compiled* dev = it->second->device.load(std::memory_order_acquire)) return *dev;
       slot = it->second;
     }
     factory = factory_for(type_of(canonical), std::string(name));
-    if (!slot) slot = slots_.emplace(canonical, std::make_shared<Slot>()).first->second;
+    if (!slot) slot = slots().emplace(canonical, std::make_shared<Slot>()).first->second;
   }
   // Open outside the registry lock: a slow driver init blocks only those who want this device.
   std::lock_guard open_lock(slot->open_mutex);

@@ -3,8 +3,9 @@
 //
 //  - ObjectRuntime loads relocatable object files (ELF, as `compile` returns) and hands out
 //    Programs: with the fast ELF loader on x86-64, else (or when it declines) with ORC's JITLink
-//    (Note [Two object loaders] in elf_loader.hpp). Each load gets its own JIT dylib, so programs with the same kernel name
-//    coexist and each is freed when its last Program handle goes. Undefined symbols resolve to the
+//    (Note [Two object loaders] in elf_loader.hpp). Each load gets its own memory (a mapping, or
+//    an ORC dylib), so programs with the same kernel name coexist and each is freed when its last
+//    Program handle goes. Undefined symbols resolve to the
 //    half/bfloat16 conversion helpers (cpu_helpers.cpp), then to the process (libm, libc).
 //  - host_target(): the host's triple, CPU name and feature string, detected once.
 //

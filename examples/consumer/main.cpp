@@ -12,7 +12,8 @@ int main() {
   auto add = dev.load_kernel("add", R"(
     define void @add(ptr %out, ptr %a, ptr %b, i32 %n) {
     entry:
-      br label %loop
+      %empty = icmp sle i32 %n, 0
+      br i1 %empty, label %exit, label %loop
     loop:
       %i = phi i32 [ 0, %entry ], [ %next, %loop ]
       %pa = getelementptr float, ptr %a, i32 %i

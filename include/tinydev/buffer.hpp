@@ -101,7 +101,8 @@ class Buffer {
   // offset >= nbytes() or the view runs past this buffer's end.
   Buffer view(std::size_t size, DType dtype, std::size_t offset) const;
 
-  // The seed's lazy-buffer reference count, stored on the base.
+  // The seed's lazy-buffer reference count, stored on the base. Plain (not atomic) bookkeeping for
+  // the framework that owns the buffer: not for concurrent use.
   std::int64_t lb_refcount() const noexcept;
   void ref(std::int64_t count) noexcept;
 

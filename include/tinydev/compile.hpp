@@ -31,7 +31,7 @@ using Blob = std::vector<std::byte>;
 enum class SourceLanguage {
   None,     // the device compiles nothing (DISK)
   LLVMIR,   // LLVM IR text (opaque pointers), kernel ABI in docs/kernel-abi.md
-  C,        // C11 source compiled freestanding
+  C,        // C (clang's default dialect), compiled freestanding
   CUDA,     // CUDA C++ for NVRTC
 };
 std::string_view to_string(SourceLanguage language) noexcept;

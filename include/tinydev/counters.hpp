@@ -21,13 +21,10 @@ struct GlobalCounters {
   static inline std::atomic<std::int64_t> kernel_count{0};
   // Seconds spent in kernels that were launched with wait=true.
   static inline std::atomic<double> time_sum{0.0};
-  // Global memory traffic estimate (bytes of buffer arguments) of launched kernels.
-  static inline std::atomic<std::int64_t> global_mem{0};
 
   static void reset() noexcept {
     kernel_count = 0;
     time_sum = 0.0;
-    global_mem = 0;
   }
 };
 

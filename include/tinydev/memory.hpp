@@ -168,3 +168,8 @@ class MallocAllocator final : public LRUAllocator {
 };
 
 }  // namespace tinydev
+
+template <>
+struct std::hash<tinydev::BufferOptions> {
+  std::size_t operator()(const tinydev::BufferOptions& o) const noexcept { return o.bits(); }
+};

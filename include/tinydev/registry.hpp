@@ -38,7 +38,8 @@ struct BackendEntry {
 
 class DeviceRegistry {
  public:
-  DeviceRegistry();
+  // Constant-initialized, so `Device` works even from other static initializers.
+  constexpr DeviceRegistry() = default;
   DeviceRegistry(const DeviceRegistry&) = delete;
   DeviceRegistry& operator=(const DeviceRegistry&) = delete;
 
@@ -68,14 +69,16 @@ class DeviceRegistry {
 
   mutable std::mutex mutex_;
   mutable bool builtins_loaded_ = false;
-  mutable std::vector<std::pair<std::string, BackendFactory>> factories_;
-  // Never freed, on purpose: devices outlive every static destructor that may still use them,
-  // and leak checkers see them reachable from this global.
-  std::map<std::string, std::shared_ptr<Slot>, std::less<>>& slots_;
-  std::string default_probe_;  // cached result of the CUDA/LLVM/CLANG probe
+  mutable std::vector<std::pair<std::string, BackendFactory>> factories_{};
+  // Created on first use and never freed, on purpose: devices outlive every static destructor
+  // that may still use them, and leak checkers see them reachable from this global.
+  using SlotMap = std::map<std::string, std::shared_ptr<Slot>, std::less<>>;
+  SlotMap& slots() const;
+  mutable SlotMap* slots_ = nullptr;
+  std::string default_probe_{};  // cached result of the CUDA/LLVM/CLANG probe
 };
 
 // The process-wide registry (the seed's `Device`).
-extern DeviceRegistry Device;
+extern constinit DeviceRegistry Device;
 
 }  // namespace tinydev
