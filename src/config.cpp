@@ -21,6 +21,7 @@ constexpr std::string_view kVariables[] = {
     "TINYDEV_DEVICE",         "TINYDEV_DEBUG",     "TINYDEV_LRU",
     "TINYDEV_LRU_MAX_BYTES",  "TINYDEV_DISABLE_COMPILER_CACHE",
     "TINYDEV_ASSERT_COMPILE", "TINYDEV_CACHE_DIR", "TINYDEV_CACHE_MAX_BYTES",
+    "TINYDEV_PROFILE",        "TINYDEV_CPU_THREADS",
 };
 
 using RawValues = std::map<std::string, std::optional<std::string>, std::less<>>;
@@ -85,6 +86,9 @@ Settings parse(const State& s) {
     out.assert_compile = parse_flag("TINYDEV_ASSERT_COMPILE", *v);
   if (auto v = get("TINYDEV_CACHE_MAX_BYTES"); v && !v->empty())
     out.cache_max_bytes = parse_byte_count(*v, "TINYDEV_CACHE_MAX_BYTES");
+  if (auto v = get("TINYDEV_PROFILE"); v && !v->empty()) out.profile = *v;
+  if (auto v = get("TINYDEV_CPU_THREADS"); v && !v->empty())
+    out.cpu_threads = parse_int("TINYDEV_CPU_THREADS", *v, 1, 1024);
   if (auto v = get("TINYDEV_CACHE_DIR"); v && !v->empty()) {
     out.cache_dir = *v;
   } else {

@@ -202,6 +202,10 @@ std::shared_ptr<Program> Compiled::load_kernel(std::string_view kernel_name, std
   return runtime_->load(kernel_name, blob);
 }
 
+std::unique_ptr<Graph> Compiled::create_graph(std::vector<GraphNode> nodes) {
+  return make_eager_graph(*this, std::move(nodes));
+}
+
 std::map<std::string, std::string> Compiled::properties() const {
   return {{"source language", std::string(to_string(language_))},
           {"allocator", allocator_->describe()}};

@@ -3,6 +3,8 @@
 #include <fmt/format.h>
 #include <xxhash.h>
 
+#include "cpu_blob.hpp"
+#include "cpu_hcq.hpp"
 #include "cpu_runtime.hpp"
 #include "subprocess.hpp"
 #include "tinydev/device.hpp"
@@ -30,7 +32,7 @@ class ClangCompiler final : public Compiler {
       : Compiler("compile_clang"), path_(std::move(path)), version_(std::move(version)) {
     const cpu::HostTarget& t = cpu::host_target();
     // -march=native makes the host CPU part of the output, so it is part of the key.
-    identity_ = fmt::format("{} [{}] {} {} features:{:016x} flags:{}", path_, version_, t.triple,
+    identity_ = fmt::format("{} [{}] {} {} features:{:016x} flags:{} blob:TDVCPU01", path_, version_, t.triple,
                             t.cpu, XXH3_64bits(t.features.data(), t.features.size()),
                             fmt::join(kFlags, " "));
   }
@@ -46,8 +48,7 @@ class ClangCompiler final : public Compiler {
     if (r.exit_code != 0)
       throw CompileError(fmt::format("{} failed to compile the kernel (exit code {})", path_, r.exit_code),
                          r.err);
-    const auto* begin = reinterpret_cast<const std::byte*>(r.out.data());
-    return Blob(begin, begin + r.out.size());
+    return cpu::wrap_object(std::as_bytes(std::span(r.out.data(), r.out.size())), cpu::c_signatures(source));
   }
 
  private:
@@ -70,15 +71,13 @@ std::unique_ptr<ClangCompiler> find_clang() {
       tried.front()));
 }
 
-class ClangDevice final : public Compiled {
+class ClangDevice final : public cpu::CpuHCQDevice {
  public:
   ClangDevice(const std::string& name, std::unique_ptr<ClangCompiler> compiler)
-      : Compiled(name, MallocAllocator::shared(), std::move(compiler),
-                 std::make_unique<cpu::ObjectRuntime>(name), SourceLanguage::C) {}
+      : CpuHCQDevice(name, std::move(compiler), SourceLanguage::C) {}
 
   std::map<std::string, std::string> properties() const override {
-    auto props = Compiled::properties();
-    props.merge(cpu::host_properties());
+    auto props = CpuHCQDevice::properties();
     auto& c = static_cast<ClangCompiler&>(compiler());
     props["compiler"] = fmt::format("{} ({})", c.path(), c.version());
     return props;

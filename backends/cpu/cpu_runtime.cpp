@@ -1,5 +1,6 @@
 #include "cpu_runtime.hpp"
 
+#include "cpu_blob.hpp"
 #include "elf_loader.hpp"
 
 #include <dlfcn.h>
@@ -14,10 +15,13 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <mutex>
+#include <thread>
 #include <utility>
 
 #include "tinydev/counters.hpp"
+#include "tinydev/profile.hpp"
 #include "tinydev/error.hpp"
 
 extern "C" {
@@ -160,66 +164,185 @@ std::vector<std::string> object_functions(std::span<const std::byte> blob) {
 
 struct ObjectRuntime::Impl {
   std::string device;
+  CallOrdering* ordering = nullptr;
   std::unique_ptr<llvm::orc::LLJIT> jit;
   llvm::orc::JITDylib* helpers = nullptr;  // conversion helpers + the process's symbols
   std::atomic<std::uint64_t> counter{0};
 };
 
-namespace {
+// ---- CpuThreadPool --------------------------------------------------------------------------------
 
-class CpuProgram final : public Program {
- public:
-  // `code` owns the memory `fn` lives in: a LoadedObject, or an ORC dylib's removal.
-  CpuProgram(std::string name, std::shared_ptr<ObjectRuntime::Impl> jit, std::shared_ptr<void> code, void* fn)
-      : Program(std::move(name)), jit_(std::move(jit)), code_(std::move(code)), fn_(fn) {}
+struct CpuThreadPool::Impl {
+  struct Job {
+    void (*fn)(void*, std::uint64_t, std::uint64_t);
+    void* ctx;
+    std::uint64_t n, chunk;
+    std::atomic<std::uint64_t> next{0};
+    int active = 0;  // pool threads inside the job (guarded by mutex)
+  };
+  std::mutex job_mutex;  // one grid at a time
+  std::mutex mutex;
+  std::condition_variable wake, done;
+  Job* job = nullptr;
+  std::uint64_t generation = 0;
+  std::vector<std::thread> threads;
 
-  std::optional<double> operator()(std::span<const Allocation> buffers,
-                                   std::span<const std::int32_t> values,
-                                   const LaunchParams& params) override {
-    const std::size_t count = buffers.size() + values.size();
-    if (count > kMaxKernelArgs) [[unlikely]]
-      throw InvalidArgument(fmt::format("{}: {} buffers and {} values is more than the {} arguments "
-                                        "a CPU kernel call takes",
-                                        name(), buffers.size(), values.size(), kMaxKernelArgs));
-    if ((params.global != std::array<std::uint32_t, 3>{1, 1, 1} ||
-         params.local != std::array<std::uint32_t, 3>{1, 1, 1})) [[unlikely]]
-      throw InvalidArgument(fmt::format(
-          "{} on {}: CPU kernels run as one call, so global and local size must be (1,1,1), got "
-          "({},{},{}) and ({},{},{}): loop inside the kernel",
-          name(), jit_->device, params.global[0], params.global[1], params.global[2],
-          params.local[0], params.local[1], params.local[2]));
-    std::uint64_t args[kMaxKernelArgs];
-    std::size_t n = 0;
-    for (const Allocation& b : buffers) args[n++] = b.va_addr;
-    for (std::int32_t v : values) args[n++] = static_cast<std::uint32_t>(v);
-    const std::int64_t launched = GlobalCounters::kernel_count.fetch_add(1, std::memory_order_relaxed) + 1;
-    if (!params.wait) [[likely]] {
-      kCallTable[n](fn_, args);
-      debug_log(2, "*** {:<7} {:>6} {:<40} arg {:>3}", jit_->device, launched, name(), count);
-      return std::nullopt;
+  static void work(Job& job) {
+    while (true) {
+      const std::uint64_t begin = job.next.fetch_add(job.chunk, std::memory_order_relaxed);
+      if (begin >= job.n) return;
+      job.fn(job.ctx, begin, std::min(job.n, begin + job.chunk));
     }
-    const auto start = std::chrono::steady_clock::now();
-    kCallTable[n](fn_, args);
-    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    GlobalCounters::time_sum.fetch_add(seconds, std::memory_order_relaxed);
-    debug_log(2, "*** {:<7} {:>6} {:<40} arg {:>3} tm {:9.2f}us", jit_->device, launched, name(),
-              count, seconds * 1e6);
-    return seconds;
   }
-
-  void* host_function() const noexcept override { return fn_; }
-
- private:
-  std::shared_ptr<ObjectRuntime::Impl> jit_;  // the JIT outlives every program it loaded
-  std::shared_ptr<void> code_;
-  void* fn_;
+  void run() {
+    std::uint64_t seen = 0;
+    std::unique_lock lock(mutex);
+    while (true) {
+      wake.wait(lock, [&] { return generation != seen; });
+      seen = generation;
+      Job* j = job;
+      if (!j) continue;
+      j->active += 1;
+      lock.unlock();
+      work(*j);
+      lock.lock();
+      if (--j->active == 0) done.notify_all();
+    }
+  }
 };
 
+CpuThreadPool::CpuThreadPool(std::size_t threads) : threads_(std::max<std::size_t>(1, threads)), impl_(new Impl) {
+  for (std::size_t i = 1; i < threads_; ++i) {
+    impl_->threads.emplace_back([impl = impl_] { impl->run(); });
+    impl_->threads.back().detach();  // the pool lives as long as the process
+  }
+}
+
+CpuThreadPool& CpuThreadPool::global() {
+  static CpuThreadPool* pool = [] {
+    const int configured = settings().cpu_threads;
+    const unsigned cores = std::thread::hardware_concurrency();
+    return new CpuThreadPool(configured > 0 ? static_cast<std::size_t>(configured) : std::max(1u, cores));
+  }();
+  return *pool;
+}
+
+void CpuThreadPool::parallel_for(std::uint64_t n, void (*fn)(void*, std::uint64_t, std::uint64_t), void* ctx) {
+  if (threads_ == 1 || n < 2) {
+    fn(ctx, 0, n);
+    return;
+  }
+  std::lock_guard one_job(impl_->job_mutex);
+  Impl::Job job;
+  job.fn = fn;
+  job.ctx = ctx;
+  job.n = n;
+  job.chunk = std::max<std::uint64_t>(1, n / (threads_ * 8));
+  {
+    std::lock_guard lock(impl_->mutex);
+    impl_->job = &job;
+    impl_->generation += 1;
+  }
+  impl_->wake.notify_all();
+  Impl::work(job);
+  std::unique_lock lock(impl_->mutex);
+  impl_->done.wait(lock, [&] { return job.active == 0; });
+  impl_->job = nullptr;  // late threads see no job; none can still be inside this one
+}
+
+// ---- CpuProgram -----------------------------------------------------------------------------------
+
+CpuProgram::CpuProgram(std::string name, std::string device, std::shared_ptr<void> code, void* fn,
+                       std::optional<KernelSignature> signature, CallOrdering* ordering)
+    : Program(std::move(name)),
+      device_(std::move(device)),
+      code_(std::move(code)),
+      fn_(fn),
+      signature_(signature),
+      ordering_(ordering) {}
+
+void CpuProgram::check_launch(std::size_t buffers, std::size_t values, const Dim3& global) const {
+  if (global[0] == 0 || global[1] == 0 || global[2] == 0) [[unlikely]]
+    throw InvalidArgument(fmt::format("{} on {}: global size ({},{},{}) has a zero dimension", name(), device_,
+                                      global[0], global[1], global[2]));
+  const std::uint64_t n = std::uint64_t{global[0]} * global[1] * global[2];
+  if (signature_ && !signature_->accepts(buffers, values, n > 1)) [[unlikely]]
+    throw InvalidArgument(fmt::format(
+        "{} on {}: the kernel takes {} buffers and {} values, got {} and {}{}", name(), device_,
+        signature_->num_buffers, signature_->num_values, buffers, values,
+        n > 1 ? " plus the grid index (Note [CPU grid ABI]: a grid launch appends it as the last value)" : ""));
+  if (n > 0x7fffffffull) [[unlikely]]
+    throw InvalidArgument(fmt::format("{} on {}: a grid of {} indices does not fit the int32 index argument",
+                                      name(), device_, n));
+  const std::size_t count = buffers + values + (n > 1 ? 1 : 0);
+  if (count > kMaxKernelArgs) [[unlikely]]
+    throw InvalidArgument(fmt::format("{}: {} buffers and {} values{} is more than the {} arguments a CPU kernel "
+                                      "call takes",
+                                      name(), buffers, values, n > 1 ? " plus the grid index" : "", kMaxKernelArgs));
+}
+
+namespace {
+struct GridCall {
+  void* fn;
+  const std::uint64_t* args;
+  std::size_t count;
+};
+void run_grid(void* ctx, std::uint64_t begin, std::uint64_t end) {
+  const auto& call = *static_cast<const GridCall*>(ctx);
+  std::uint64_t args[kMaxKernelArgs];
+  std::copy(call.args, call.args + call.count, args);
+  for (std::uint64_t i = begin; i < end; ++i) {
+    args[call.count] = static_cast<std::uint32_t>(i);
+    kCallTable[call.count + 1](call.fn, args);
+  }
+}
 }  // namespace
 
-ObjectRuntime::ObjectRuntime(std::string device_name) : impl_(std::make_shared<Impl>()) {
+// Note [CPU grid ABI]
+// A kernel launched with global size (x, y, z), N = x*y*z > 1, is called N times, with the linear
+// index i = gx + x*(gy + y*gz) appended as one more int32 argument after the values; the calls are
+// spread over CpuThreadPool in chunks and may run in any order and concurrently. N = 1 is one call
+// without the index. The local size has no meaning on the CPU and is ignored.
+void CpuProgram::launch(const std::uint64_t* args, std::size_t count, const Dim3& global) const {
+  const std::uint64_t n = std::uint64_t{global[0]} * global[1] * global[2];
+  if (n == 1) {
+    kCallTable[count](fn_, args);
+    return;
+  }
+  GridCall call{fn_, args, count};
+  CpuThreadPool::global().parallel_for(n, &run_grid, &call);
+}
+
+std::optional<double> CpuProgram::operator()(std::span<const Allocation> buffers, std::span<const std::int32_t> values,
+                                             const LaunchParams& params) {
+  check_launch(buffers.size(), values.size(), params.global);
+  if (ordering_) ordering_->before_direct_call();
+  std::uint64_t args[kMaxKernelArgs];
+  std::size_t n = 0;
+  for (const Allocation& b : buffers) args[n++] = b.va_addr;
+  for (std::int32_t v : values) args[n++] = static_cast<std::uint32_t>(v);
+  const std::int64_t launched = GlobalCounters::kernel_count.fetch_add(1, std::memory_order_relaxed) + 1;
+  if (!params.wait) [[likely]] {
+    launch(args, n, params.global);
+    debug_log(2, "*** {:<7} {:>6} {:<40} arg {:>3}", device_, launched, name(), n);
+    return std::nullopt;
+  }
+  const std::uint64_t start = Profiler::now_ns();
+  launch(args, n, params.global);
+  const std::uint64_t end = Profiler::now_ns();
+  const double seconds = static_cast<double>(end - start) / 1e9;
+  GlobalCounters::time_sum.fetch_add(seconds, std::memory_order_relaxed);
+  if (Profiler::global().enabled()) Profiler::global().add(ProfileEvent{name(), start, end, device_, "COMPUTE"});
+  debug_log(2, "*** {:<7} {:>6} {:<40} arg {:>3} tm {:9.2f}us", device_, launched, name(), n, seconds * 1e6);
+  return seconds;
+}
+
+// ---- ObjectRuntime --------------------------------------------------------------------------------
+
+ObjectRuntime::ObjectRuntime(std::string device_name, CallOrdering* ordering) : impl_(std::make_shared<Impl>()) {
   init_llvm();
   impl_->device = std::move(device_name);
+  impl_->ordering = ordering;
   auto jtmb = llvm::orc::JITTargetMachineBuilder::detectHost();
   if (!jtmb)
     throw DeviceUnavailable(fmt::format("{}: LLVM cannot target this host: {}", impl_->device,
@@ -257,7 +380,10 @@ ObjectRuntime::ObjectRuntime(std::string device_name) : impl_(std::make_shared<I
 ObjectRuntime::~ObjectRuntime() = default;
 
 std::shared_ptr<Program> ObjectRuntime::load(std::string_view kernel_name,
-                                             std::span<const std::byte> blob) {
+                                             std::span<const std::byte> wrapped) {
+  const UnwrappedBlob unwrapped = unwrap_object(wrapped);
+  const std::span<const std::byte> blob = unwrapped.object;
+  const std::optional<KernelSignature> signature = unwrapped.signature_of(kernel_name);
   std::optional<std::vector<std::string>> elf = elf_functions(blob);
   std::vector<std::string> defined = elf ? std::move(*elf) : object_functions(blob);
   if (defined.empty())
@@ -276,17 +402,20 @@ std::shared_ptr<Program> ObjectRuntime::load(std::string_view kernel_name,
                                       fast.error));
   if (fast.object) {
     void* fn = fast.object->entry;
-    return std::make_shared<CpuProgram>(std::string(kernel_name), impl_,
-                                        std::shared_ptr<void>(std::move(fast.object)), fn);
+    return std::make_shared<CpuProgram>(std::string(kernel_name), impl_->device,
+                                        std::shared_ptr<void>(std::move(fast.object)), fn, signature,
+                                        impl_->ordering);
   }
   debug_log(2, "tinydev: {}: the fast loader declined '{}' ({}); loading with ORC", impl_->device,
             kernel_name, fast.declined);
 #endif
-  return load_with_orc(kernel_name, blob);
+  return load_with_orc(kernel_name, wrapped);
 }
 
 std::shared_ptr<Program> ObjectRuntime::load_with_orc(std::string_view kernel_name,
-                                                      std::span<const std::byte> blob) {
+                                                      std::span<const std::byte> wrapped) {
+  const UnwrappedBlob unwrapped = unwrap_object(wrapped);
+  const std::span<const std::byte> blob = unwrapped.object;
   auto& es = impl_->jit->getExecutionSession();
   auto dylib = impl_->jit->createJITDylib(
       fmt::format("{}_{}", kernel_name, impl_->counter.fetch_add(1)));
@@ -314,7 +443,9 @@ std::shared_ptr<Program> ObjectRuntime::load_with_orc(std::string_view kernel_na
     if (llvm::Error err = jit->jit->getExecutionSession().removeJITDylib(*dylib))
       debug_log(1, "tinydev: unloading a kernel on {} failed: {}", jit->device, take(std::move(err)));
   });
-  return std::make_shared<CpuProgram>(std::string(kernel_name), impl_, std::move(owner), addr->toPtr<void*>());
+  // The dylib's removal also needs the JIT alive: the deleter holds it.
+  return std::make_shared<CpuProgram>(std::string(kernel_name), impl_->device, std::move(owner),
+                                      addr->toPtr<void*>(), unwrapped.signature_of(kernel_name), impl_->ordering);
 }
 
 }  // namespace tinydev::cpu

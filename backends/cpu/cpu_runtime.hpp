@@ -22,8 +22,36 @@
 #include <vector>
 
 #include "tinydev/compile.hpp"
+#include "tinydev/hcq.hpp"
 
 namespace tinydev::cpu {
+
+// Worker threads for kernels launched with a global size N > 1 (Note [CPU grid ABI]), shared by
+// every CPU device: TINYDEV_CPU_THREADS threads in all, the caller counting as one. One grid runs
+// at a time; concurrent callers queue.
+class CpuThreadPool {
+ public:
+  static CpuThreadPool& global();
+  std::size_t threads() const noexcept { return threads_; }
+  // Calls fn(begin, end) over [0, n) in chunks, on the pool and the calling thread; returns when
+  // every index ran. fn must not throw.
+  void parallel_for(std::uint64_t n, void (*fn)(void* ctx, std::uint64_t begin, std::uint64_t end), void* ctx);
+
+ private:
+  explicit CpuThreadPool(std::size_t threads);
+  struct Impl;
+  std::size_t threads_;
+  Impl* impl_;
+};
+
+// Lets a device order direct Program calls after its queued work.
+class CallOrdering {
+ public:
+  virtual void before_direct_call() = 0;
+
+ protected:
+  ~CallOrdering() = default;
+};
 
 struct HostTarget {
   std::string triple;
@@ -32,9 +60,35 @@ struct HostTarget {
 };
 const HostTarget& host_target();
 
+// A loaded CPU kernel. Direct calls (operator()) run on the caller's thread once the device's
+// queued work finished; queues launch it on their workers through launch().
+class CpuProgram final : public Program {
+ public:
+  CpuProgram(std::string name, std::string device, std::shared_ptr<void> code, void* fn,
+             std::optional<KernelSignature> signature, CallOrdering* ordering);
+
+  std::optional<double> operator()(std::span<const Allocation> buffers, std::span<const std::int32_t> values = {},
+                                   const LaunchParams& params = {}) override;
+  void* host_function() const noexcept override { return fn_; }
+  std::optional<KernelSignature> signature() const noexcept override { return signature_; }
+  const std::string& device() const noexcept { return device_; }
+
+  // Throws InvalidArgument when these counts and grid cannot be launched.
+  void check_launch(std::size_t buffers, std::size_t values, const Dim3& global) const;
+  // Runs the kernel on `count` packed arguments, once per grid index (Note [CPU grid ABI]).
+  void launch(const std::uint64_t* args, std::size_t count, const Dim3& global) const;
+
+ private:
+  std::string device_;
+  std::shared_ptr<void> code_;  // owns the memory fn_ lives in
+  void* fn_;
+  std::optional<KernelSignature> signature_;
+  CallOrdering* ordering_;
+};
+
 class ObjectRuntime final : public Runtime {
  public:
-  explicit ObjectRuntime(std::string device_name);
+  explicit ObjectRuntime(std::string device_name, CallOrdering* ordering = nullptr);
   ~ObjectRuntime() override;
   std::shared_ptr<Program> load(std::string_view kernel_name, std::span<const std::byte> blob) override;
   // The general path: ORC's JITLink (any object LLVM links, on any host). load() uses it when the
@@ -50,7 +104,7 @@ class ObjectRuntime final : public Runtime {
 // The names of the global functions an object file defines (for error messages and tools).
 std::vector<std::string> object_functions(std::span<const std::byte> blob);
 
-// The most arguments (buffers + values) a CPU kernel call takes.
+// The most arguments (buffers + values, + the grid index) a CPU kernel call takes.
 inline constexpr std::size_t kMaxKernelArgs = 64;
 
 // Calls `fn` with `count` 64-bit integer-class arguments. On x86-64 and AArch64 SysV every pointer

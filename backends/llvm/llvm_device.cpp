@@ -17,6 +17,8 @@
 #include <llvm/Target/TargetMachine.h>
 #include <xxhash.h>
 
+#include "cpu_blob.hpp"
+#include "cpu_hcq.hpp"
 #include "cpu_runtime.hpp"
 #include "tinydev/device.hpp"
 #include "tinydev/error.hpp"
@@ -31,7 +33,7 @@ class LLVMCompiler final : public Compiler {
     const cpu::HostTarget& t = cpu::host_target();
     // Everything that changes the object code: LLVM's version, the target, the host's CPU and
     // features, the optimization level.
-    identity_ = fmt::format("llvm {} {} {} features:{:016x} O2/codegen-O3 pic", LLVM_VERSION_STRING,
+    identity_ = fmt::format("llvm {} {} {} features:{:016x} O2/codegen-O3 pic blob:TDVCPU01", LLVM_VERSION_STRING,
                             t.triple, t.cpu, XXH3_64bits(t.features.data(), t.features.size()));
   }
 
@@ -54,6 +56,24 @@ class LLVMCompiler final : public Compiler {
       llvm::raw_string_ostream os(log);
       if (llvm::verifyModule(*module, &os))
         throw CompileError("the kernel's LLVM IR is invalid (verifier)", os.str());
+    }
+    // The kernels' signatures, read before optimization can change parameter lists.
+    std::vector<cpu::KernelInfo> kernels;
+    for (const llvm::Function& f : *module) {
+      if (f.isDeclaration() || f.hasLocalLinkage()) continue;
+      cpu::KernelInfo k{f.getName().str(), {}};
+      bool readable = true;
+      for (const llvm::Argument& a : f.args()) {
+        if (a.getType()->isPointerTy()) {
+          if (k.signature.num_values) readable = false;  // buffers come first in the kernel ABI
+          ++k.signature.num_buffers;
+        } else if (a.getType()->isIntegerTy(32)) {
+          ++k.signature.num_values;
+        } else {
+          readable = false;
+        }
+      }
+      if (readable) kernels.push_back(std::move(k));
     }
     const cpu::HostTarget& t = cpu::host_target();
     auto builder = llvm::orc::JITTargetMachineBuilder(llvm::Triple(t.triple));
@@ -91,23 +111,20 @@ class LLVMCompiler final : public Compiler {
     if (tm.addPassesToEmitFile(codegen, os, nullptr, llvm::CodeGenFileType::ObjectFile))
       throw CompileError("LLVM cannot emit object files for this host", "");
     codegen.run(*module);
-    const auto* begin = reinterpret_cast<const std::byte*>(object.data());
-    return Blob(begin, begin + object.size());
+    return cpu::wrap_object(std::as_bytes(std::span(object.data(), object.size())), kernels);
   }
 
  private:
   std::string identity_;
 };
 
-class LLVMDevice final : public Compiled {
+class LLVMDevice final : public cpu::CpuHCQDevice {
  public:
   explicit LLVMDevice(const std::string& name)
-      : Compiled(name, MallocAllocator::shared(), std::make_unique<LLVMCompiler>(),
-                 std::make_unique<cpu::ObjectRuntime>(name), SourceLanguage::LLVMIR) {}
+      : CpuHCQDevice(name, std::make_unique<LLVMCompiler>(), SourceLanguage::LLVMIR) {}
 
   std::map<std::string, std::string> properties() const override {
-    auto props = Compiled::properties();
-    props.merge(cpu::host_properties());
+    auto props = CpuHCQDevice::properties();
     props["compiler"] = fmt::format("LLVM {} in process (ORC JIT loader)", LLVM_VERSION_STRING);
     return props;
   }

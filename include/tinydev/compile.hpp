@@ -96,6 +96,22 @@ struct LaunchParams {
   bool wait = false;  // block until the kernel finished and return its time in seconds
 };
 
+// How many buffers and int32 values a kernel's parameter list has, where the compiler could tell.
+// A kernel meant for grid launches counts its index parameter among the values (it is the last).
+struct KernelSignature {
+  std::uint32_t num_buffers = 0;
+  std::uint32_t num_values = 0;
+  friend bool operator==(const KernelSignature&, const KernelSignature&) = default;
+  // Whether a launch with these counts fits; `grid` launches pass the index as one more value.
+  bool accepts(std::size_t buffers, std::size_t values, bool grid) const noexcept {
+    return buffers == num_buffers && values + (grid ? 1 : 0) == num_values;
+  }
+  // Whether the counts fit with or without a grid (before the grid is known).
+  bool accepts_either(std::size_t buffers, std::size_t values) const noexcept {
+    return accepts(buffers, values, false) || accepts(buffers, values, true);
+  }
+};
+
 // A loaded kernel. Kernel ABI: `void name(T* buf0, ..., int32_t val0, ...)`.
 class Program {
  public:
@@ -112,6 +128,10 @@ class Program {
   // backends), for callers that dispatch it themselves; nullptr on devices that run elsewhere.
   // Valid while this Program is alive.
   virtual void* host_function() const noexcept { return nullptr; }
+
+  // The kernel's argument counts when known (calls and kernargs with other counts are rejected);
+  // nullopt when the compiler could not tell (then the caller is trusted).
+  virtual std::optional<KernelSignature> signature() const noexcept { return std::nullopt; }
 
  protected:
   explicit Program(std::string name) : name_(std::move(name)) {}

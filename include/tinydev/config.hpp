@@ -28,6 +28,8 @@ struct Settings {
   bool assert_compile = false;                  // TINYDEV_ASSERT_COMPILE
   std::string cache_dir;                        // TINYDEV_CACHE_DIR, resolved; "" = no folder
   std::uint64_t cache_max_bytes = 1ull << 30;   // TINYDEV_CACHE_MAX_BYTES
+  std::string profile;                          // TINYDEV_PROFILE: trace file written at exit
+  int cpu_threads = 0;                          // TINYDEV_CPU_THREADS; 0 = the core count
 };
 
 // The current settings (environment + active overrides). Throws InvalidArgument on the first call

@@ -12,6 +12,7 @@
 #include <string>
 
 #include "tinydev/compile.hpp"
+#include "tinydev/graph.hpp"
 #include "tinydev/memory.hpp"
 
 namespace tinydev {
@@ -37,6 +38,8 @@ class Compiled {
 
   // Whether the device replays recorded graphs natively (HCQ devices); others replay eagerly.
   virtual bool supports_graph() const noexcept { return false; }
+  // Records `nodes` as a graph for this device (tinydev/graph.hpp). The default replays eagerly.
+  virtual std::unique_ptr<Graph> create_graph(std::vector<GraphNode> nodes);
 
   // Blocks until all work queued on this device has finished.
   virtual void synchronize() {}

@@ -3,6 +3,7 @@
 #include <thread>
 
 #include "conformance.hpp"
+#include "cpu_blob.hpp"
 #include "demo_kernels.hpp"
 
 using namespace tinydev;
@@ -73,17 +74,23 @@ TEST_CASE("backends: a missing kernel name and an unresolved symbol are clear er
   });
 }
 
-TEST_CASE("backends: launches with a grid or too many arguments are rejected", "[backends]") {
+TEST_CASE("backends: launches with the wrong counts, an empty grid or too many arguments are rejected", "[backends]") {
   for_each_backend([](Compiled& dev) {
     auto prg = dev.load_kernel("add", kernels::add_f32(dev.source_language()));
+    REQUIRE(prg->signature().has_value());
+    CHECK(*prg->signature() == KernelSignature{3, 1});
     Buffer o(dev.name(), 4, dtypes::float32);
     o.allocate();
     const Allocation bufs[] = {o.allocation(), o.allocation(), o.allocation()};
     const std::int32_t vals[] = {4};
-    CHECK_THROWS_WITH((*prg)(bufs, vals, LaunchParams{.global = {2, 1, 1}}),
-                      Catch::Contains("global and local size must be (1,1,1)"));
+    CHECK_THROWS_WITH((*prg)(std::span(bufs, 2), vals), Catch::Contains("takes 3 buffers and 1 values, got 2 and 1"));
+    CHECK_THROWS_WITH((*prg)(bufs, {}), Catch::Contains("got 3 and 0"));
+    CHECK_THROWS_WITH((*prg)(bufs, vals, LaunchParams{.global = {2, 0, 1}}), Catch::Contains("zero dimension"));
+    auto unchecked = dev.runtime().load("add", cpu::unwrap_object(dev.compiler().compile_cached(
+                                                   kernels::add_f32(dev.source_language()))).object);
+    CHECK_FALSE(unchecked->signature().has_value());  // a bare object: counts are the caller's business
     std::vector<Allocation> many(70, o.allocation());
-    CHECK_THROWS_WITH((*prg)(many, vals), Catch::Contains("more than the 64 arguments"));
+    CHECK_THROWS_WITH((*unchecked)(many, vals), Catch::Contains("more than the 64 arguments"));
   });
 }
 

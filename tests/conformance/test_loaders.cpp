@@ -1,6 +1,7 @@
 // The CPU backends' two object loaders (Note [Two object loaders]): the fast ELF path and ORC must
 // run the same objects to the same results, and a declined object must still load through ORC.
 #include "conformance.hpp"
+#include "cpu_blob.hpp"
 #include "cpu_runtime.hpp"
 #include "demo_kernels.hpp"
 #include "elf_loader.hpp"
@@ -62,7 +63,7 @@ TEST_CASE("loaders: an object the fast loader declines still loads through ORC",
   for_each_backend([&](Compiled& dev) {
     if (!cpu_runtime(dev)) return;
     Blob blob = dev.compiler().compile(with_ctor.for_device(dev));
-    cpu::ElfLoadResult probe = cpu::load_elf_x86_64(blob, "add", [](std::string_view) { return nullptr; });
+    cpu::ElfLoadResult probe = cpu::load_elf_x86_64(cpu::unwrap_object(blob).object, "add", [](std::string_view) { return nullptr; });
 #if defined(__x86_64__)
     CHECK_FALSE(probe.object);
     CHECK_THAT(probe.declined, Catch::Contains("initializers"));
@@ -79,7 +80,8 @@ TEST_CASE("loaders: the fast loader rejects garbage without crashing", "[loaders
   const std::uint64_t seed = fresh_seed();
   INFO("seed " << seed);
   Compiled& dev = Device["LLVM"];
-  Blob blob = dev.compiler().compile_cached(kernels::add_f32(SourceLanguage::LLVMIR));
+  const auto object = cpu::unwrap_object(dev.compiler().compile_cached(kernels::add_f32(SourceLanguage::LLVMIR))).object;
+  Blob blob(object.begin(), object.end());
   std::mt19937_64 rng(seed);
   auto resolve = [](std::string_view) -> void* { return nullptr; };
   for (int i = 0; i < 300; ++i) {

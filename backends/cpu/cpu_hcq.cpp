@@ -1,0 +1,266 @@
+#include "cpu_hcq.hpp"
+
+#include <fmt/format.h>
+
+#include <cstdlib>
+#include <cstring>
+
+#include "tinydev/counters.hpp"
+#include "tinydev/error.hpp"
+#include "tinydev/hcq_graph.hpp"
+#include "tinydev/profile.hpp"
+
+namespace tinydev::cpu {
+
+namespace {
+
+CpuHCQDevice& cpu_device(Compiled& device, std::string_view queue) {
+  auto* cpu = dynamic_cast<CpuHCQDevice*>(&device);
+  if (!cpu)
+    throw InvalidArgument(fmt::format("cannot submit a CPU {} queue to {}: it runs on CPU devices (LLVM, CLANG) only",
+                                      queue, device.name()));
+  return *cpu;
+}
+
+template <class Queue>
+void check_pools(const Queue& queue, const CpuHCQDevice& device) {
+  for (const SignalPool* pool : queue.pools())
+    if (!device.can_reach(*pool))
+      throw InvalidArgument(fmt::format("cannot submit to {}: the queue uses a signal of pool '{}', which {} "
+                                        "cannot reach; use signals from a CPU device's alloc_signal()",
+                                        device.name(), pool->name(), device.name()));
+}
+
+inline void cpu_relax() {
+#if defined(__x86_64__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+}  // namespace
+
+// ---- queues ---------------------------------------------------------------------------------------
+
+void CpuComputeQueue::_exec(const CpuProgram& program, const Kernargs& kernargs, Dim3 global, Dim3 local) {
+  program.check_launch(kernargs.num_buffers, kernargs.num_values, global);
+  if (!kernargs.ptr && kernargs.size() != 0)
+    throw InvalidArgument(fmt::format("exec of '{}': the kernargs have no memory; allocate them with the "
+                                      "device's alloc_kernargs()",
+                                      program.name()));
+  mutable_commands().push_back(CpuCommand{.kind = CommandKind::exec, .program = &program, .kernargs = kernargs.ptr,
+                                          .num_buffers = kernargs.num_buffers, .num_values = kernargs.num_values,
+                                          .global = global, .local = local});
+}
+
+void CpuComputeQueue::_update_exec(std::size_t cmd, Dim3 global, Dim3 local) {
+  CpuCommand& c = *command_words(cmd);
+  c.program->check_launch(c.num_buffers, c.num_values, global);
+  c.global = global;
+  c.local = local;
+}
+
+void CpuComputeQueue::_submit(Compiled& device) {
+  CpuHCQDevice& cpu = cpu_device(device, "compute");
+  check_pools(*this, cpu);
+  cpu.compute_worker().submit(snapshot());
+}
+
+void CpuCopyQueue::_update_copy(std::size_t cmd, const std::optional<Allocation>& dest, const std::optional<Allocation>& src) {
+  CpuCommand& c = *command_words(cmd);
+  check_copy(dest ? *dest : Allocation{0, c.size, nullptr}, src ? *src : Allocation{0, c.size, nullptr}, c.size);
+  if (dest) c.dest = dest->host_ptr<std::byte>();
+  if (src) c.src = src->host_ptr<const std::byte>();
+}
+
+void CpuCopyQueue::_submit(Compiled& device) {
+  CpuHCQDevice& cpu = cpu_device(device, "copy");
+  check_pools(*this, cpu);
+  cpu.copy_worker().submit(snapshot());
+}
+
+// ---- workers --------------------------------------------------------------------------------------
+
+CpuQueueWorker::CpuQueueWorker(std::string device, std::string lane)
+    : device_(std::move(device)), lane_(std::move(lane)), thread_([this] { run(); }) {}
+
+CpuQueueWorker::~CpuQueueWorker() {
+  {
+    std::lock_guard lock(mutex_);
+    stop_ = true;
+  }
+  wake_.notify_one();
+  thread_.join();
+}
+
+void CpuQueueWorker::submit(std::shared_ptr<const std::vector<CpuCommand>> commands) {
+  bool wake;
+  {
+    std::lock_guard lock(mutex_);
+    pending_.push_back(std::move(commands));
+    wake = sleeping_;
+  }
+  submitted_.fetch_add(1, std::memory_order_release);
+  if (wake) wake_.notify_one();
+}
+
+void CpuQueueWorker::run() {
+  std::uint64_t taken = 0;
+  while (true) {
+    // A pipelined producer submits again within microseconds: spin a little before sleeping.
+    for (int spin = 0; spin < 20000 && submitted_.load(std::memory_order_acquire) == taken; ++spin) cpu_relax();
+    std::shared_ptr<const std::vector<CpuCommand>> next;
+    {
+      std::unique_lock lock(mutex_);
+      if (pending_.empty()) {
+        sleeping_ = true;
+        wake_.wait(lock, [&] { return !pending_.empty() || stop_; });
+        sleeping_ = false;
+      }
+      if (pending_.empty() && stop_) return;
+      next = std::move(pending_.front());
+      pending_.pop_front();
+    }
+    taken += 1;
+    execute(*next);
+  }
+}
+
+void CpuQueueWorker::execute(const std::vector<CpuCommand>& commands) {
+  const bool profiling = Profiler::global().enabled();
+  std::size_t i = 0;
+  try {
+    for (; i < commands.size(); ++i) {
+      const CpuCommand& c = commands[i];
+      switch (c.kind) {
+        case CommandKind::signal:
+          c.signal->store(c.value);
+          break;
+        case CommandKind::wait:
+          while (c.signal->value.load(std::memory_order_acquire) < c.value)
+            wait_signal_slot(*c.signal, c.value, std::chrono::hours(1), nullptr);
+          break;
+        case CommandKind::timestamp:
+          c.signal->timestamp_ns.store(Profiler::now_ns(), std::memory_order_release);
+          break;
+        case CommandKind::memory_barrier:
+          std::atomic_thread_fence(std::memory_order_seq_cst);
+          break;
+        case CommandKind::exec: {
+          std::uint64_t args[kMaxKernelArgs];
+          for (std::uint32_t b = 0; b < c.num_buffers; ++b) std::memcpy(&args[b], c.kernargs + 8 * b, 8);
+          for (std::uint32_t v = 0; v < c.num_values; ++v) {
+            std::uint32_t value;
+            std::memcpy(&value, c.kernargs + 8 * c.num_buffers + 4 * v, 4);
+            args[c.num_buffers + v] = value;
+          }
+          const std::uint64_t start = profiling ? Profiler::now_ns() : 0;
+          c.program->launch(args, c.num_buffers + c.num_values, c.global);
+          GlobalCounters::kernel_count.fetch_add(1, std::memory_order_relaxed);
+          if (profiling) Profiler::global().add(ProfileEvent{c.program->name(), start, Profiler::now_ns(), device_, lane_});
+          break;
+        }
+        case CommandKind::copy:
+          std::memmove(c.dest, c.src, c.size);
+          break;
+      }
+    }
+  } catch (const std::exception& e) {
+    // Note [Queue failure]: the rest of this submission does not run; every signal it would have
+    // set is poisoned, so whoever waits for this work gets the reason instead of a hang.
+    const std::string reason = fmt::format("{} {} queue: command {} ({}) failed: {}", device_, lane_, i,
+                                           to_string(commands[i].kind), e.what());
+    for (std::size_t j = i; j < commands.size(); ++j)
+      if (commands[j].kind == CommandKind::signal) commands[j].signal->poison(reason);
+  }
+}
+
+// ---- allocator ------------------------------------------------------------------------------------
+
+CpuAllocator::CpuAllocator(CpuHCQDevice& device)
+    : HCQAllocator<CpuHCQDevice>(device, kDefaultBatchSize, kDefaultBatchCount, /*host_visible=*/true) {}
+
+CpuAllocator::~CpuAllocator() {
+  release_ring();
+  free_cache();
+}
+
+std::string CpuAllocator::describe() const { return fmt::format("{} allocator (host memory)", device_.name()); }
+
+Allocation CpuAllocator::alloc_impl(std::size_t size, const BufferOptions&) {
+  void* p = nullptr;
+  // Never zero-filled: fresh large blocks come from mmap pages the kernel zeroes on first touch.
+  if (::posix_memalign(&p, 64, size) != 0 || !p)
+    throw OutOfMemory(fmt::format("{}: host allocation of {} bytes failed", device_.name(), size));
+  return Allocation{reinterpret_cast<std::uintptr_t>(p), size, nullptr};
+}
+
+void CpuAllocator::free_impl(Allocation allocation, std::size_t, const BufferOptions&) { std::free(allocation.host_ptr()); }
+
+// ---- the device -----------------------------------------------------------------------------------
+
+const std::shared_ptr<SignalPool>& CpuHCQDevice::shared_signal_pool() {
+  static auto* pool = new std::shared_ptr<SignalPool>(std::make_shared<SignalPool>("CPU"));
+  return *pool;
+}
+
+namespace {
+constexpr std::size_t kKernargsRing = 4u << 20;
+}
+
+CpuHCQDevice::CpuHCQDevice(const std::string& name, std::unique_ptr<Compiler> compiler, SourceLanguage language)
+    : HCQCompiled(name, std::make_shared<CpuAllocator>(*this), std::move(compiler),
+                  std::make_unique<ObjectRuntime>(name, this), language, shared_signal_pool()),
+      compute_worker_(name, "COMPUTE"),
+      copy_worker_(name, "DMA"),
+      kernargs_ring_(new std::byte[kKernargsRing]) {
+  Profiler::global().on_flush([this] {
+    try {
+      synchronize();
+    } catch (const std::exception& e) {
+      debug_log(1, "tinydev: {}: could not finish work for the profile: {}", this->name(), e.what());
+    }
+  });
+}
+
+CpuHCQDevice::~CpuHCQDevice() = default;
+
+Kernargs CpuHCQDevice::alloc_kernargs(std::uint32_t num_buffers, std::uint32_t num_values) {
+  const std::size_t bytes = (Kernargs::bytes_for(num_buffers, num_values) + 15) / 16 * 16;
+  if (bytes > kKernargsRing)
+    throw InvalidArgument(fmt::format("{}: {} bytes of kernel arguments do not fit the kernargs ring", name(), bytes));
+  std::lock_guard lock(submit_mutex());
+  if (kernargs_next_ + bytes > kKernargsRing) {
+    // Wrapping: everything submitted so far may still read the ring's start.
+    wait_timeline(timeline_value() - 1);
+    kernargs_next_ = 0;
+  }
+  Kernargs k{kernargs_ring_.get() + kernargs_next_, num_buffers, num_values};
+  kernargs_next_ += bytes;
+  return k;
+}
+
+std::shared_ptr<std::byte[]> CpuHCQDevice::allocate_kernargs_block(std::size_t bytes) const {
+  return std::shared_ptr<std::byte[]>(new std::byte[bytes]());
+}
+
+void CpuHCQDevice::before_direct_call() {
+  if (!idle()) wait_timeline(timeline_value() - 1);
+}
+
+std::unique_ptr<Graph> CpuHCQDevice::create_graph(std::vector<GraphNode> nodes) {
+  return std::make_unique<HCQGraph<CpuHCQDevice>>(*this, std::move(nodes));
+}
+
+std::map<std::string, std::string> CpuHCQDevice::properties() const {
+  auto props = Compiled::properties();
+  props.merge(host_properties());
+  props["queues"] = fmt::format("HCQ: compute + copy worker threads, grids on {} threads",
+                                CpuThreadPool::global().threads());
+  return props;
+}
+
+void CpuHCQDevice::on_timeline_wrapped() { cpu_allocator().reset_staging_timelines(); }
+
+}  // namespace tinydev::cpu

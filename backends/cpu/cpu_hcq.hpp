@@ -1,0 +1,158 @@
+// backends/cpu/cpu_hcq.hpp: the CPU as an HCQ device (internal header of the CPU backends).
+//
+// The LLVM and CLANG devices are CpuHCQDevices: each runs a compute queue and a copy queue on a
+// worker thread of its own, executing submitted commands in order: `exec` calls the kernel (grids
+// spread over CpuThreadPool), `copy` is a memcpy, `signal`/`wait`/`timestamp` act on signal
+// memory. All CPU devices share one signal pool (host memory every CPU queue reaches), so one CPU
+// device's queue can wait on another's signals.
+//
+// Ownership: a queue references the programs and kernargs it was recorded with; they must stay
+// alive until the work finished (a graph keeps its own alive). Devices live as long as the process.
+// Thread safety: as HCQCompiled; the workers are internal.
+#pragma once
+
+#include <condition_variable>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "cpu_runtime.hpp"
+#include "tinydev/hcq.hpp"
+
+namespace tinydev::cpu {
+
+class CpuHCQDevice;
+
+// One recorded CPU command (a queue's word). Which fields matter depends on `kind`.
+struct CpuCommand {
+  CommandKind kind{};
+  SignalSlot* signal = nullptr;  // signal, wait, timestamp
+  std::uint64_t value = 0;
+  const CpuProgram* program = nullptr;  // exec
+  std::byte* kernargs = nullptr;
+  std::uint32_t num_buffers = 0, num_values = 0;
+  Dim3 global{1, 1, 1}, local{1, 1, 1};
+  std::byte* dest = nullptr;  // copy
+  const std::byte* src = nullptr;
+  std::uint64_t size = 0;
+};
+
+// The signal primitives both CPU queues share.
+struct CpuSignalPrimitives {
+  static CpuCommand signal(const Signal& s, std::uint64_t v) { return {.kind = CommandKind::signal, .signal = &s.slot(), .value = v}; }
+  static CpuCommand wait(const Signal& s, std::uint64_t v) { return {.kind = CommandKind::wait, .signal = &s.slot(), .value = v}; }
+  static CpuCommand timestamp(const Signal& s) { return {.kind = CommandKind::timestamp, .signal = &s.slot()}; }
+  static void update(CpuCommand& c, const std::optional<Signal>& s, const std::optional<std::uint64_t>& v) {
+    if (s) c.signal = &s->slot();
+    if (v) c.value = *v;
+  }
+};
+
+class CpuComputeQueue final : public HWComputeQueue<CpuComputeQueue, CpuCommand, CpuProgram> {
+  friend class HWCommandQueue<CpuComputeQueue, CpuCommand>;
+  friend class HWComputeQueue<CpuComputeQueue, CpuCommand, CpuProgram>;
+
+  void _signal(const Signal& s, std::uint64_t v) { mutable_commands().push_back(CpuSignalPrimitives::signal(s, v)); }
+  void _wait(const Signal& s, std::uint64_t v) { mutable_commands().push_back(CpuSignalPrimitives::wait(s, v)); }
+  void _timestamp(const Signal& s) { mutable_commands().push_back(CpuSignalPrimitives::timestamp(s)); }
+  void _memory_barrier() { mutable_commands().push_back(CpuCommand{.kind = CommandKind::memory_barrier}); }
+  void _exec(const CpuProgram& program, const Kernargs& kernargs, Dim3 global, Dim3 local);
+  void _update_signal(std::size_t cmd, const std::optional<Signal>& s, const std::optional<std::uint64_t>& v) {
+    CpuSignalPrimitives::update(*command_words(cmd), s, v);
+  }
+  void _update_wait(std::size_t cmd, const std::optional<Signal>& s, const std::optional<std::uint64_t>& v) {
+    CpuSignalPrimitives::update(*command_words(cmd), s, v);
+  }
+  void _update_exec(std::size_t cmd, Dim3 global, Dim3 local);
+  void _submit(Compiled& device);
+};
+
+class CpuCopyQueue final : public HWCopyQueue<CpuCopyQueue, CpuCommand> {
+  friend class HWCommandQueue<CpuCopyQueue, CpuCommand>;
+  friend class HWCopyQueue<CpuCopyQueue, CpuCommand>;
+
+  void _signal(const Signal& s, std::uint64_t v) { mutable_commands().push_back(CpuSignalPrimitives::signal(s, v)); }
+  void _wait(const Signal& s, std::uint64_t v) { mutable_commands().push_back(CpuSignalPrimitives::wait(s, v)); }
+  void _timestamp(const Signal& s) { mutable_commands().push_back(CpuSignalPrimitives::timestamp(s)); }
+  void _copy(const Allocation& dest, const Allocation& src, std::size_t size) {
+    mutable_commands().push_back(CpuCommand{.kind = CommandKind::copy, .dest = dest.host_ptr<std::byte>(),
+                                            .src = src.host_ptr<const std::byte>(), .size = size});
+  }
+  void _update_signal(std::size_t cmd, const std::optional<Signal>& s, const std::optional<std::uint64_t>& v) {
+    CpuSignalPrimitives::update(*command_words(cmd), s, v);
+  }
+  void _update_wait(std::size_t cmd, const std::optional<Signal>& s, const std::optional<std::uint64_t>& v) {
+    CpuSignalPrimitives::update(*command_words(cmd), s, v);
+  }
+  void _update_copy(std::size_t cmd, const std::optional<Allocation>& dest, const std::optional<Allocation>& src);
+  void _submit(Compiled& device);
+};
+
+// Executes submitted command lists in order on one thread.
+class CpuQueueWorker {
+ public:
+  CpuQueueWorker(std::string device, std::string lane);
+  ~CpuQueueWorker();
+  void submit(std::shared_ptr<const std::vector<CpuCommand>> commands);
+
+ private:
+  void run();
+  void execute(const std::vector<CpuCommand>& commands);
+  std::string device_, lane_;
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  std::deque<std::shared_ptr<const std::vector<CpuCommand>>> pending_;
+  std::atomic<std::uint64_t> submitted_{0};
+  bool sleeping_ = false;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
+class CpuAllocator final : public HCQAllocator<CpuHCQDevice> {
+ public:
+  explicit CpuAllocator(CpuHCQDevice& device);
+  ~CpuAllocator() override;
+  std::string describe() const override;
+
+ protected:
+  Allocation alloc_impl(std::size_t size, const BufferOptions& options) override;
+  void free_impl(Allocation allocation, std::size_t size, const BufferOptions& options) override;
+};
+
+class CpuHCQDevice : public HCQCompiled<CpuComputeQueue, CpuCopyQueue>, public CallOrdering {
+ public:
+  CpuHCQDevice(const std::string& name, std::unique_ptr<Compiler> compiler, SourceLanguage language);
+  ~CpuHCQDevice() override;
+
+  // Every CPU device's signals: host memory that every CPU queue can reach.
+  static const std::shared_ptr<SignalPool>& shared_signal_pool();
+  bool can_reach(const SignalPool& pool) const noexcept override { return &pool == shared_signal_pool().get(); }
+  std::uint64_t device_to_cpu_ns(std::uint64_t device_ns, bool) const override { return device_ns; }
+
+  CpuQueueWorker& compute_worker() noexcept { return compute_worker_; }
+  CpuQueueWorker& copy_worker() noexcept { return copy_worker_; }
+  CpuAllocator& cpu_allocator() noexcept { return static_cast<CpuAllocator&>(allocator()); }
+
+  // Kernel-argument space for one launch, from a ring reused once the timeline passed it.
+  Kernargs alloc_kernargs(std::uint32_t num_buffers, std::uint32_t num_values);
+  // Host memory the queues read kernel arguments from, owned by the caller (graphs).
+  std::shared_ptr<std::byte[]> allocate_kernargs_block(std::size_t bytes) const;
+
+  void before_direct_call() override;
+  std::unique_ptr<Graph> create_graph(std::vector<GraphNode> nodes) override;
+  std::map<std::string, std::string> properties() const override;
+
+ protected:
+  void on_timeline_wrapped() override;
+
+ private:
+  CpuQueueWorker compute_worker_;
+  CpuQueueWorker copy_worker_;
+  std::unique_ptr<std::byte[]> kernargs_ring_;
+  std::size_t kernargs_next_ = 0;
+};
+
+}  // namespace tinydev::cpu

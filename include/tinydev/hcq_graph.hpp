@@ -1,0 +1,179 @@
+// tinydev/hcq_graph.hpp: native graph replay on HCQ devices (the seed's HCQGraph).
+//
+// Note [HCQ graph replay]
+// Recording builds, once, one compute queue and one copy queue holding every node, and one block
+// of kernel arguments. Each node waits on the graph's own signal reaching its position and bumps
+// it when done, so nodes run in recorded order across the two queues; the compute queue starts by
+// waiting for the device timeline (work submitted before the replay) and ends by signalling it.
+// A replay patches, in place: the signal values (every replay uses fresh ones), the kernel-argument
+// slots of inputs and variables that changed since the last replay, and the copy commands whose
+// inputs changed; then it submits both queues. Kernel arguments are only rewritten after the
+// previous replay finished reading them.
+//
+// Requirements on Device: an HCQCompiled whose compute queue's program_type is the device's
+// Program class, and `allocate_kernargs_block(bytes)` returning memory its queues read.
+#pragma once
+
+#include <fmt/format.h>
+
+#include <chrono>
+#include <memory>
+#include <optional>
+#include <span>
+#include <vector>
+
+#include "tinydev/graph.hpp"
+#include "tinydev/hcq.hpp"
+
+namespace tinydev {
+
+template <class Device>
+class HCQGraph final : public Graph {
+  using ComputeQueue = typename Device::compute_queue_type;
+  using CopyQueue = typename Device::copy_queue_type;
+  using ProgramT = typename ComputeQueue::program_type;
+
+ public:
+  HCQGraph(Device& device, std::vector<GraphNode> nodes) : Graph(std::move(nodes)), device_(device) {
+    std::size_t kernarg_bytes = 0;
+    std::vector<std::size_t> offsets;
+    for (const GraphNode& node : nodes_) {
+      offsets.push_back(kernarg_bytes);
+      if (const auto* k = std::get_if<GraphKernel>(&node))
+        kernarg_bytes += (Kernargs::bytes_for(k->buffers.size(), k->values.size()) + 15) / 16 * 16;
+    }
+    kernargs_block_ = device.allocate_kernargs_block(std::max<std::size_t>(kernarg_bytes, 16));
+    signal_ = device.alloc_signal(0);
+    std::lock_guard lock(device.submit_mutex());
+    compute_.wait(device.timeline_signal(), 0).signal(signal_, 0);
+    for (std::size_t i = 0; i < nodes_.size(); ++i) {
+      NodeCommands& cmds = commands_.emplace_back();
+      if (auto* k = std::get_if<GraphKernel>(&nodes_[i])) {
+        const auto* program = dynamic_cast<const ProgramT*>(k->program.get());
+        if (!program)
+          throw InvalidArgument(fmt::format("graph node {}: kernel '{}' was not loaded by {}'s runtime", i,
+                                            k->program->name(), device.name()));
+        Kernargs args{kernargs_block_.get() + offsets[i], static_cast<std::uint32_t>(k->buffers.size()),
+                      static_cast<std::uint32_t>(k->values.size())};
+        kernargs_.push_back(args);
+        for (std::size_t j = 0; j < k->buffers.size(); ++j) {
+          if (k->buffers[j].fixed) args.set_buffer(j, k->buffers[j].fixed->va_addr);
+          else input_uses_.push_back({k->buffers[j].input, i, j, Use::kernarg});
+        }
+        for (std::size_t j = 0; j < k->values.size(); ++j) {
+          if (k->values[j].constant) args.set_value(j, *k->values[j].constant);
+          else variable_uses_.push_back({k->values[j].variable, kernargs_.size() - 1, j});
+        }
+        cmds.on_compute = true;
+        cmds.wait = compute_.size();
+        compute_.wait(signal_, 0);
+        cmds.op = compute_.size();
+        compute_.exec(*program, args, k->launch.global, k->launch.local);
+        cmds.signal = compute_.size();
+        compute_.signal(signal_, 0);
+        cmds.kernargs = kernargs_.size() - 1;
+      } else {
+        auto& c = std::get<GraphCopy>(nodes_[i]);
+        if (!c.dest.fixed) input_uses_.push_back({c.dest.input, i, 0, Use::copy_dest});
+        if (!c.src.fixed) input_uses_.push_back({c.src.input, i, 0, Use::copy_src});
+        // Inputs are patched in before the first replay; record with placeholders of the right size.
+        Allocation placeholder{0, c.size, nullptr};
+        cmds.wait = copy_.size();
+        copy_.wait(signal_, 0);
+        cmds.op = copy_.size();
+        copy_.copy(c.dest.fixed ? *c.dest.fixed : placeholder, c.src.fixed ? *c.src.fixed : placeholder, c.size);
+        cmds.signal = copy_.size();
+        copy_.signal(signal_, 0);
+      }
+    }
+    epilogue_wait_ = compute_.size();
+    compute_.wait(signal_, 0);
+    epilogue_signal_ = compute_.size();
+    compute_.signal(device.timeline_signal(), 0);
+  }
+
+  ~HCQGraph() override {
+    try {
+      if (replays_) signal_.wait(last_final_);  // queued work reads our kernargs and signal
+      device_.free_signal(signal_);
+    } catch (...) {
+    }
+  }
+
+  std::optional<double> replay(std::span<const Allocation> inputs, std::span<const std::int32_t> variables,
+                               bool wait) override {
+    check_replay(inputs, variables);
+    const auto start = std::chrono::steady_clock::now();
+    std::lock_guard lock(device_.submit_mutex());
+    const bool first = replays_ == 0;
+    // Kernel arguments the previous replay may still read: wait before rewriting any.
+    bool kernargs_change = first;
+    for (const Use& u : input_uses_)
+      if (u.kind == Use::kernarg && (first || !(inputs[u.input] == last_inputs_[u.input]))) kernargs_change = true;
+    for (const VarUse& u : variable_uses_)
+      if (first || variables[u.variable] != last_variables_[u.variable]) kernargs_change = true;
+    if (kernargs_change && !first) signal_.wait(last_final_);
+    for (const Use& u : input_uses_) {
+      if (!first && inputs[u.input] == last_inputs_[u.input]) continue;
+      const NodeCommands& cmds = commands_[u.node];
+      if (u.kind == Use::kernarg) kernargs_[cmds.kernargs].set_buffer(u.slot, inputs[u.input].va_addr);
+      else if (u.kind == Use::copy_dest) copy_.update_copy(cmds.op, inputs[u.input], std::nullopt);
+      else copy_.update_copy(cmds.op, std::nullopt, inputs[u.input]);
+    }
+    for (const VarUse& u : variable_uses_)
+      if (first || variables[u.variable] != last_variables_[u.variable])
+        kernargs_[u.kernargs].set_value(u.slot, variables[u.variable]);
+    last_inputs_.assign(inputs.begin(), inputs.end());
+    last_variables_.assign(variables.begin(), variables.end());
+
+    // Fresh signal values for this replay (Note [HCQ graph replay]).
+    const std::uint64_t base = replays_ * (nodes_.size() + 1) + 1;
+    const std::uint64_t timeline = device_.next_timeline_value();
+    compute_.update_wait(0, device_.timeline_signal(), timeline - 1).update_signal(1, std::nullopt, base);
+    for (std::size_t i = 0; i < nodes_.size(); ++i) {
+      const NodeCommands& cmds = commands_[i];
+      if (cmds.on_compute)
+        compute_.update_wait(cmds.wait, std::nullopt, base + i).update_signal(cmds.signal, std::nullopt, base + i + 1);
+      else
+        copy_.update_wait(cmds.wait, std::nullopt, base + i).update_signal(cmds.signal, std::nullopt, base + i + 1);
+    }
+    compute_.update_wait(epilogue_wait_, std::nullopt, base + nodes_.size())
+        .update_signal(epilogue_signal_, device_.timeline_signal(), timeline);
+    if (copy_.size()) copy_.submit(device_);
+    compute_.submit(device_);
+    replays_ += 1;
+    last_final_ = base + nodes_.size();
+    if (!wait) return std::nullopt;
+    device_.wait_timeline(timeline);
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  }
+
+ private:
+  struct NodeCommands {
+    bool on_compute = false;
+    std::size_t wait = 0, op = 0, signal = 0, kernargs = 0;
+  };
+  struct Use {
+    std::size_t input, node, slot;
+    enum Kind { kernarg, copy_dest, copy_src } kind;
+  };
+  struct VarUse {
+    std::size_t variable, kernargs, slot;
+  };
+
+  Device& device_;
+  std::shared_ptr<std::byte[]> kernargs_block_;
+  std::vector<Kernargs> kernargs_;
+  Signal signal_;
+  ComputeQueue compute_;
+  CopyQueue copy_;
+  std::vector<NodeCommands> commands_;
+  std::vector<Use> input_uses_;
+  std::vector<VarUse> variable_uses_;
+  std::size_t epilogue_wait_ = 0, epilogue_signal_ = 0;
+  std::uint64_t replays_ = 0, last_final_ = 0;
+  std::vector<Allocation> last_inputs_;
+  std::vector<std::int32_t> last_variables_;
+};
+
+}  // namespace tinydev

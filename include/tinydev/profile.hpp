@@ -1,0 +1,56 @@
+// tinydev/profile.hpp: the trace writer (the seed's ProfileLogger / PROFILE).
+//
+// With TINYDEV_PROFILE=path, devices add one complete event per kernel and copy; at process exit
+// (or on request, write()) the events go to `path` as Chrome trace JSON, which Perfetto and
+// chrome://tracing open: one process per device, threads COMPUTE and DMA, microseconds on the
+// host's steady clock since the profiler started. docs/profiling.md shows how to read it.
+//
+// Thread safety: every member may be called from any thread.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace tinydev {
+
+struct ProfileEvent {
+  std::string name;        // "CPU -> LLVM", "LLVM -> CPU", a kernel's name
+  std::uint64_t start_ns;  // host steady-clock nanoseconds
+  std::uint64_t end_ns;
+  std::string device;      // the trace's process
+  std::string lane;        // the trace's thread: "COMPUTE" or "DMA"
+};
+
+class Profiler {
+ public:
+  static Profiler& global();
+
+  // Whether TINYDEV_PROFILE names a file (or enable() was called).
+  bool enabled() const;
+  // Turns profiling on for this process, writing to `path` at exit (for code and tests).
+  void enable(std::string path);
+  void add(ProfileEvent event);
+  // Hooks run before writing, so devices can turn their pending timestamps into events.
+  void on_flush(std::function<void()> hook);
+  // Writes every event so far to `path` (TINYDEV_PROFILE's when empty). Throws Error when the
+  // file cannot be written. Returns the number of events written.
+  std::size_t write(std::string path = "");
+  std::vector<ProfileEvent> events() const;
+  void clear();
+  // Host steady-clock nanoseconds (the clock of start_ns/end_ns).
+  static std::uint64_t now_ns() noexcept;
+
+ private:
+  Profiler();
+  void register_exit_writer();
+  mutable std::mutex mutex_;
+  std::string path_override_;
+  bool exit_writer_registered_ = false;
+  std::vector<ProfileEvent> events_;
+  std::vector<std::function<void()>> hooks_;
+};
+
+}  // namespace tinydev

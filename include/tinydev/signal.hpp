@@ -1,0 +1,115 @@
+// tinydev/signal.hpp: timeline signals for HCQ devices (layer 5).
+//
+// A signal is a 64-bit value plus a timestamp slot (ns) in pool memory that both the host and the
+// device's queues read and write. Queued `signal` commands store a value, `wait` commands block the
+// queue until value >= wanted, `timestamp` commands store the device clock. The host waits with
+// Signal::wait: a short spin, then a futex sleep, then a Timeout naming the signal, the value
+// wanted and the value seen. A device-side failure poisons a signal: its waiters get an Error with
+// the reason instead of hanging.
+//
+// Ownership and lifetime: a SignalPool owns its slots for its whole life (slots never move, so
+// queued commands hold raw slot pointers). A Signal is a small copyable handle (pool, index,
+// generation); freeing it bumps the slot's generation, so any later host use of the stale handle,
+// or recording it into a queue, is an InvalidArgument. HCQ devices defer the slot's reuse until
+// their timeline has passed every command that could still touch it (Note [Deferred signal free]).
+//
+// Thread safety: all members may be used from any thread.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace tinydev {
+
+// One signal's memory. Devices write `value` and `timestamp_ns` through the pointer; everything
+// else is the host's bookkeeping.
+struct SignalSlot {
+  std::atomic<std::uint64_t> value{0};
+  std::atomic<std::uint64_t> timestamp_ns{0};
+  std::atomic<std::uint32_t> wake_seq{0};    // futex word: bumped on every store
+  std::atomic<std::uint32_t> waiters{0};     // sleeping host waiters (skip the wake syscall at 0)
+  std::atomic<std::uint32_t> generation{0};  // bumped by free: stale handles are detected
+  std::atomic<std::uint32_t> poisoned{0};
+  char poison_reason[200] = {};              // written before `poisoned` is set
+
+  // Stores a value and wakes sleeping waiters (what a device's `signal` command does).
+  void store(std::uint64_t v) noexcept;
+  // Marks a device-side failure and wakes every waiter, who then throw an Error with `reason`.
+  void poison(std::string_view reason) noexcept;
+};
+
+class SignalPool;
+
+class Signal {
+ public:
+  Signal() = default;
+  // The current value. InvalidArgument if this handle was freed.
+  std::uint64_t value() const;
+  // Sets the value from the host and wakes waiters.
+  void set(std::uint64_t v) const;
+  // The last timestamp a queue stored, in ns of the device clock.
+  std::uint64_t timestamp() const;
+  // Blocks until value() >= wanted. Timeout after `timeout`; Error if the signal is poisoned.
+  void wait(std::uint64_t wanted, std::chrono::milliseconds timeout = std::chrono::seconds(30)) const;
+  // Marks a device-side failure: waiters (now and later) throw an Error carrying `reason`.
+  void poison(const std::string& reason) const;
+
+  bool valid() const noexcept { return pool_ != nullptr; }
+  SignalPool* pool() const noexcept { return pool_; }
+  std::uint32_t index() const noexcept { return index_; }
+  std::string describe() const;  // "LLVM signal #3"
+  // The slot, after checking that this handle is still live. For queue recording.
+  SignalSlot& slot() const;
+
+  friend bool operator==(const Signal& a, const Signal& b) noexcept {
+    return a.pool_ == b.pool_ && a.index_ == b.index_ && a.generation_ == b.generation_;
+  }
+
+ private:
+  friend class SignalPool;
+  Signal(SignalPool* pool, std::uint32_t index, std::uint32_t generation)
+      : pool_(pool), index_(index), generation_(generation) {}
+  SignalPool* pool_ = nullptr;
+  std::uint32_t index_ = 0;
+  std::uint32_t generation_ = 0;
+};
+
+class SignalPool {
+ public:
+  explicit SignalPool(std::string name);
+  ~SignalPool();
+  SignalPool(const SignalPool&) = delete;
+  SignalPool& operator=(const SignalPool&) = delete;
+
+  Signal alloc(std::uint64_t initial = 0);
+  // Invalidates the handle at once and makes the slot reusable. Devices call this only once their
+  // timeline has passed every queued use (HCQ devices' free_signal defers it for you).
+  void free(const Signal& signal);
+  const std::string& name() const noexcept { return name_; }
+  std::size_t live() const;
+
+  // Slot access for a handle, checking the generation.
+  SignalSlot& slot(const Signal& signal);
+
+ private:
+  static constexpr std::size_t kChunk = 256;
+  mutable std::mutex mutex_;
+  std::string name_;
+  std::vector<std::unique_ptr<SignalSlot[]>> chunks_;
+  std::vector<std::uint32_t> free_;
+  std::size_t live_ = 0;
+  std::size_t capacity_ = 0;
+};
+
+// Waits for slot->value >= wanted (spin, then futex sleep). `describe` names the signal in
+// errors. Used by Signal::wait and by device queues that wait on the host side.
+void wait_signal_slot(SignalSlot& slot, std::uint64_t wanted, std::chrono::nanoseconds timeout,
+                      const Signal* handle_for_errors);
+
+}  // namespace tinydev

@@ -1,0 +1,96 @@
+#include "tinydev/graph.hpp"
+
+#include <fmt/format.h>
+
+#include <chrono>
+
+#include "tinydev/device.hpp"
+#include "tinydev/error.hpp"
+
+namespace tinydev {
+
+Graph::Graph(std::vector<GraphNode> nodes) : nodes_(std::move(nodes)) {
+  auto see = [&](const GraphBuffer& b) {
+    if (!b.fixed) num_inputs_ = std::max(num_inputs_, b.input + 1);
+  };
+  for (std::size_t i = 0; i < nodes_.size(); ++i) {
+    if (const auto* k = std::get_if<GraphKernel>(&nodes_[i])) {
+      if (!k->program) throw InvalidArgument(fmt::format("graph node {}: a kernel node needs a program", i));
+      const bool grid = std::uint64_t{k->launch.global[0]} * k->launch.global[1] * k->launch.global[2] > 1;
+      if (auto sig = k->program->signature(); sig && !sig->accepts(k->buffers.size(), k->values.size(), grid))
+        throw InvalidArgument(fmt::format("graph node {}: kernel '{}' takes {} buffers and {} values, the node "
+                                          "gives {} and {}",
+                                          i, k->program->name(), sig->num_buffers, sig->num_values,
+                                          k->buffers.size(), k->values.size()));
+      for (const GraphBuffer& b : k->buffers) see(b);
+      for (const GraphValue& v : k->values)
+        if (!v.constant) num_variables_ = std::max(num_variables_, v.variable + 1);
+    } else {
+      const auto& c = std::get<GraphCopy>(nodes_[i]);
+      see(c.dest);
+      see(c.src);
+      for (const GraphBuffer* b : {&c.dest, &c.src})
+        if (b->fixed && b->fixed->size < c.size)
+          throw InvalidArgument(fmt::format("graph node {}: a copy of {} bytes runs past a {}-byte allocation", i,
+                                            c.size, b->fixed->size));
+    }
+  }
+}
+
+void Graph::check_replay(std::span<const Allocation> inputs, std::span<const std::int32_t> variables) const {
+  if (inputs.size() != num_inputs_ || variables.size() != num_variables_)
+    throw InvalidArgument(fmt::format("graph replay with {} inputs and {} variables: the graph takes {} and {}",
+                                      inputs.size(), variables.size(), num_inputs_, num_variables_));
+  for (std::size_t i = 0; i < nodes_.size(); ++i) {
+    const auto* c = std::get_if<GraphCopy>(&nodes_[i]);
+    if (!c) continue;
+    for (const GraphBuffer* b : {&c->dest, &c->src})
+      if (!b->fixed && inputs[b->input].size < c->size)
+        throw InvalidArgument(fmt::format("graph replay: input {} has {} bytes, node {} copies {}", b->input,
+                                          inputs[b->input].size, i, c->size));
+  }
+}
+
+namespace {
+
+class EagerGraph final : public Graph {
+ public:
+  EagerGraph(Compiled& device, std::vector<GraphNode> nodes) : Graph(std::move(nodes)), device_(device) {}
+
+  std::optional<double> replay(std::span<const Allocation> inputs, std::span<const std::int32_t> variables,
+                               bool wait) override {
+    check_replay(inputs, variables);
+    const auto start = std::chrono::steady_clock::now();
+    std::vector<Allocation> bufs;
+    std::vector<std::int32_t> vals;
+    std::vector<std::byte> staging;
+    for (const GraphNode& node : nodes_) {
+      if (const auto* k = std::get_if<GraphKernel>(&node)) {
+        bufs.clear();
+        vals.clear();
+        for (const GraphBuffer& b : k->buffers) bufs.push_back(resolve(b, inputs));
+        for (const GraphValue& v : k->values) vals.push_back(resolve(v, variables));
+        (*k->program)(bufs, vals, LaunchParams{k->launch.global, k->launch.local, false});
+      } else {
+        const auto& c = std::get<GraphCopy>(node);
+        staging.resize(c.size);
+        device_.allocator().copyout(staging, Allocation{resolve(c.src, inputs).va_addr, c.size, resolve(c.src, inputs).backend});
+        device_.allocator().copyin(Allocation{resolve(c.dest, inputs).va_addr, c.size, resolve(c.dest, inputs).backend}, staging);
+      }
+    }
+    if (!wait) return std::nullopt;
+    device_.synchronize();
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  }
+
+ private:
+  Compiled& device_;
+};
+
+}  // namespace
+
+std::unique_ptr<Graph> make_eager_graph(Compiled& device, std::vector<GraphNode> nodes) {
+  return std::make_unique<EagerGraph>(device, std::move(nodes));
+}
+
+}  // namespace tinydev

@@ -1,0 +1,167 @@
+#include "tinydev/signal.hpp"
+
+#include <fmt/format.h>
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstring>
+#include <ctime>
+
+#include "tinydev/error.hpp"
+
+namespace tinydev {
+
+namespace {
+
+void futex_wait(std::atomic<std::uint32_t>* word, std::uint32_t expected, std::chrono::nanoseconds timeout) {
+  const auto ns = timeout.count() > 0 ? timeout.count() : 0;
+  timespec ts{static_cast<time_t>(ns / 1000000000), static_cast<long>(ns % 1000000000)};
+  ::syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(word), FUTEX_WAIT_PRIVATE, expected, &ts, nullptr, 0);
+}
+
+void futex_wake_all(std::atomic<std::uint32_t>* word) {
+  ::syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(word), FUTEX_WAKE_PRIVATE, INT_MAX, nullptr, nullptr, 0);
+}
+
+inline void cpu_relax() {
+#if defined(__x86_64__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+}  // namespace
+
+void SignalSlot::store(std::uint64_t v) noexcept {
+  value.store(v, std::memory_order_seq_cst);
+  wake_seq.fetch_add(1, std::memory_order_seq_cst);
+  if (waiters.load(std::memory_order_seq_cst) != 0) futex_wake_all(&wake_seq);
+}
+
+// Note [Signal waits]
+// A waiter spins briefly (most waits in a pipelined queue end within microseconds, and a futex
+// round trip costs more than that), then sleeps on `wake_seq`. The order of operations closes the
+// lost-wakeup window: the waiter reads wake_seq, re-checks the value, registers in `waiters`, and
+// sleeps only if wake_seq is unchanged; a store writes the value, bumps wake_seq, and wakes when
+// anyone is registered. Either the store sees the waiter registered, or the waiter's futex call
+// sees a changed wake_seq and returns at once.
+void wait_signal_slot(SignalSlot& slot, std::uint64_t wanted, std::chrono::nanoseconds timeout,
+                      const Signal* handle) {
+  auto poisoned = [&] {
+    std::string reason(slot.poison_reason, ::strnlen(slot.poison_reason, sizeof slot.poison_reason));
+    return Error(fmt::format("{} was poisoned by a device-side failure while waiting for value {}: {}",
+                             handle ? handle->describe() : "signal", wanted,
+                             reason.empty() ? std::string("no reason recorded") : reason));
+  };
+  for (int spin = 0; spin < 4000; ++spin) {
+    if (slot.value.load(std::memory_order_acquire) >= wanted) return;
+    if (slot.poisoned.load(std::memory_order_acquire)) throw poisoned();
+    cpu_relax();
+  }
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  while (true) {
+    const std::uint32_t seq = slot.wake_seq.load(std::memory_order_seq_cst);
+    if (slot.value.load(std::memory_order_seq_cst) >= wanted) return;
+    if (slot.poisoned.load(std::memory_order_acquire)) throw poisoned();
+    const auto now = std::chrono::steady_clock::now();
+    if (now >= deadline)
+      throw Timeout(fmt::format(
+          "timed out after {} ms waiting for {} to reach {}: it is at {}. Is the queue that signals "
+          "it submitted, and not itself waiting on something that never comes?",
+          std::chrono::duration_cast<std::chrono::milliseconds>(timeout).count(),
+          handle ? handle->describe() : "a signal", wanted, slot.value.load()));
+    slot.waiters.fetch_add(1, std::memory_order_seq_cst);
+    futex_wait(&slot.wake_seq, seq, std::min<std::chrono::nanoseconds>(deadline - now, std::chrono::milliseconds(100)));
+    slot.waiters.fetch_sub(1, std::memory_order_seq_cst);
+  }
+}
+
+// ---- Signal -------------------------------------------------------------------------------------
+
+SignalSlot& Signal::slot() const {
+  if (!pool_) throw InvalidArgument("use of an empty Signal handle: allocate one from a device");
+  return pool_->slot(*this);
+}
+
+std::uint64_t Signal::value() const { return slot().value.load(std::memory_order_acquire); }
+void Signal::set(std::uint64_t v) const { slot().store(v); }
+std::uint64_t Signal::timestamp() const { return slot().timestamp_ns.load(std::memory_order_acquire); }
+
+void Signal::wait(std::uint64_t wanted, std::chrono::milliseconds timeout) const {
+  wait_signal_slot(slot(), wanted, timeout, this);
+}
+
+void SignalSlot::poison(std::string_view reason) noexcept {
+  if (!poisoned.load(std::memory_order_acquire)) {  // the first reason is the root cause
+    const std::size_t n = std::min(reason.size(), sizeof poison_reason - 1);
+    std::memcpy(poison_reason, reason.data(), n);
+    poison_reason[n] = '\0';
+  }
+  poisoned.store(1, std::memory_order_seq_cst);
+  wake_seq.fetch_add(1, std::memory_order_seq_cst);
+  futex_wake_all(&wake_seq);
+}
+
+void Signal::poison(const std::string& reason) const { slot().poison(reason); }
+
+std::string Signal::describe() const {
+  return pool_ ? fmt::format("{} signal #{}", pool_->name(), index_) : "an empty signal";
+}
+
+// ---- SignalPool ---------------------------------------------------------------------------------
+
+SignalPool::SignalPool(std::string name) : name_(std::move(name)) {}
+SignalPool::~SignalPool() = default;
+
+Signal SignalPool::alloc(std::uint64_t initial) {
+  std::lock_guard lock(mutex_);
+  if (free_.empty()) {
+    chunks_.push_back(std::make_unique<SignalSlot[]>(kChunk));
+    for (std::size_t i = kChunk; i-- > 0;) free_.push_back(static_cast<std::uint32_t>(capacity_ + i));
+    capacity_ += kChunk;
+  }
+  const std::uint32_t index = free_.back();
+  free_.pop_back();
+  SignalSlot& s = chunks_[index / kChunk][index % kChunk];
+  s.value.store(initial);
+  s.timestamp_ns.store(0);
+  s.poisoned.store(0);
+  s.poison_reason[0] = '\0';
+  live_ += 1;
+  return Signal(this, index, s.generation.load());
+}
+
+void SignalPool::free(const Signal& signal) {
+  std::lock_guard lock(mutex_);
+  if (signal.pool_ != this || signal.index_ >= capacity_)
+    throw InvalidArgument(fmt::format("cannot free {} into {}'s signal pool: it belongs elsewhere",
+                                      signal.describe(), name_));
+  SignalSlot& s = chunks_[signal.index_ / kChunk][signal.index_ % kChunk];
+  if (s.generation.load() != signal.generation_)
+    throw InvalidArgument(fmt::format("{} was freed twice", signal.describe()));
+  s.generation.fetch_add(1);
+  free_.push_back(signal.index_);
+  live_ -= 1;
+}
+
+std::size_t SignalPool::live() const {
+  std::lock_guard lock(mutex_);
+  return live_;
+}
+
+SignalSlot& SignalPool::slot(const Signal& signal) {
+  std::lock_guard lock(mutex_);
+  if (signal.pool_ != this || signal.index_ >= capacity_)
+    throw InvalidArgument(fmt::format("{} does not belong to {}'s signal pool", signal.describe(), name_));
+  SignalSlot& s = chunks_[signal.index_ / kChunk][signal.index_ % kChunk];
+  if (s.generation.load() != signal.generation_)
+    throw InvalidArgument(fmt::format(
+        "{} was freed: allocate a new signal instead of reusing a freed handle", signal.describe()));
+  return s;
+}
+
+}  // namespace tinydev

@@ -1,0 +1,53 @@
+// tests/conformance/hcq_support.hpp: kernels and helpers for the HCQ suite.
+#pragma once
+
+#include "conformance.hpp"
+#include "cpu_hcq.hpp"
+
+namespace tinydev::testing {
+
+using cpu::CpuHCQDevice;
+
+// Runs `body` on every HCQ device of this build (the CPU devices here).
+template <class Body>
+void for_each_hcq_device(Body&& body) {
+  for_each_backend([&](Compiled& dev) {
+    auto* hcq = dynamic_cast<CpuHCQDevice*>(&dev);
+    if (!hcq) {
+      WARN("skipping " << dev.name() << ": not an HCQ device");
+      return;
+    }
+    body(*hcq);
+  });
+}
+
+// dst[0] = src[0] + 1
+inline KernelSource inc_kernel(const std::string& name) {
+  return {"define void @" + name + "(ptr %dst, ptr %src) {\n  %v = load i32, ptr %src\n  %r = add i32 %v, 1\n"
+              "  store i32 %r, ptr %dst\n  ret void\n}\n",
+          "void " + name + "(int* dst, const int* src) { dst[0] = src[0] + 1; }\n"};
+}
+
+// out[idx] = k + idx, one grid index per call (Note [CPU grid ABI]).
+inline const KernelSource kFill{
+    "define void @fill(ptr %out, i32 %k, i32 %idx) {\n  %i = sext i32 %idx to i64\n"
+    "  %p = getelementptr inbounds i32, ptr %out, i64 %i\n  %v = add i32 %k, %idx\n  store i32 %v, ptr %p\n"
+    "  ret void\n}\n",
+    "void fill(int* out, int k, int idx) { out[idx] = k + idx; }\n"};
+
+// out[i] = a[i] * k for i < n
+inline const KernelSource kScale{
+    "define void @scale(ptr %out, ptr %a, i32 %k, i32 %n) {\nentry:\n  %empty = icmp sle i32 %n, 0\n"
+    "  br i1 %empty, label %exit, label %loop\nloop:\n  %i = phi i32 [ 0, %entry ], [ %next, %loop ]\n"
+    "  %idx = zext i32 %i to i64\n  %pa = getelementptr inbounds float, ptr %a, i64 %idx\n"
+    "  %va = load float, ptr %pa\n  %kf = sitofp i32 %k to float\n  %r = fmul float %va, %kf\n"
+    "  %po = getelementptr inbounds float, ptr %out, i64 %idx\n  store float %r, ptr %po\n"
+    "  %next = add i32 %i, 1\n  %done = icmp eq i32 %next, %n\n  br i1 %done, label %exit, label %loop\n"
+    "exit:\n  ret void\n}\n",
+    "void scale(float* out, const float* a, int k, int n) { for (int i = 0; i < n; i++) out[i] = a[i] * (float)k; }\n"};
+
+inline std::shared_ptr<cpu::CpuProgram> load_cpu(CpuHCQDevice& dev, const std::string& name, const KernelSource& k) {
+  return std::dynamic_pointer_cast<cpu::CpuProgram>(dev.load_kernel(name, k.for_device(dev)));
+}
+
+}  // namespace tinydev::testing

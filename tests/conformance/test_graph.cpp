@@ -1,0 +1,215 @@
+// Graphs: native HCQ replay must equal eager execution, node for node.
+#include <nlohmann/json.hpp>
+
+#include <fstream>
+
+#include "demo_kernels.hpp"
+#include "hcq_support.hpp"
+
+using namespace tinydev;
+using namespace tinydev::testing;
+
+namespace {
+
+// A set of float buffers on one device with the same random contents in two copies: one for the
+// graph, one for the eager reference.
+struct Twin {
+  std::vector<Buffer> graph, eager;
+  Twin(Compiled& dev, std::size_t count, std::size_t n, std::uint64_t seed) {
+    for (std::size_t i = 0; i < count; ++i) {
+      auto data = random_floats(n, seed + i);
+      for (auto* set : {&graph, &eager}) {
+        set->emplace_back(dev.name(), n, dtypes::float32);
+        set->back().allocate().copyin(std::span<const float>(data));
+      }
+    }
+  }
+  std::vector<Allocation> allocations(bool for_graph) const {
+    std::vector<Allocation> out;
+    for (const Buffer& b : for_graph ? graph : eager) out.push_back(b.allocation());
+    return out;
+  }
+  void check_equal() const {
+    for (std::size_t i = 0; i < graph.size(); ++i) {
+      HostBytes g = graph[i].as_buffer(), e = eager[i].as_buffer();
+      INFO("buffer " << i);
+      REQUIRE(std::equal(g.bytes().begin(), g.bytes().end(), e.bytes().begin()));
+    }
+  }
+};
+
+// Replays `nodes` natively and eagerly on fresh random inputs `replays` times with fresh variables.
+void replay_matches_eager(Compiled& dev, const std::vector<GraphNode>& nodes, std::size_t inputs, std::size_t n,
+                          std::size_t variables, int replays = 3) {
+  auto native = dev.create_graph(nodes);
+  auto eager = make_eager_graph(dev, nodes);
+  REQUIRE(native->num_inputs() == inputs);
+  REQUIRE(native->num_variables() == variables);
+  const std::uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937 rng(static_cast<unsigned>(seed));
+  for (int r = 0; r < replays; ++r) {
+    Twin twin(dev, inputs, n, seed + 100 * r);
+    std::vector<std::int32_t> vars(variables);
+    for (auto& v : vars) v = static_cast<std::int32_t>(rng() % 7) - 3;
+    native->replay(twin.allocations(true), vars, /*wait=*/true);
+    eager->replay(twin.allocations(false), vars, true);
+    twin.check_equal();
+  }
+}
+
+GraphBuffer in(std::size_t i) { return GraphBuffer::in(i); }
+
+}  // namespace
+
+TEST_CASE("graph: write-after-write, read-then-write and write-then-read replay as eager", "[graph]") {
+  for_each_backend([](Compiled& dev) {
+    const std::size_t n = 1000;
+    auto add = dev.load_kernel("add", kernels::add_f32(dev.source_language()));
+    auto scale = dev.load_kernel("scale", kScale.for_device(dev));
+    const GraphValue count = GraphValue::of(static_cast<std::int32_t>(n));
+    // write-after-write: x = a + b, then x = a * k: x ends as a * k.
+    replay_matches_eager(dev,
+                         {GraphKernel{add, {in(0), in(1), in(2)}, {count}},
+                          GraphKernel{scale, {in(0), in(1)}, {GraphValue::var(0), count}}},
+                         3, n, 1);
+    // read-then-write: y = x * 2 reads x before x = a + b overwrites it.
+    replay_matches_eager(dev,
+                         {GraphKernel{scale, {in(1), in(0)}, {GraphValue::of(2), count}},
+                          GraphKernel{add, {in(0), in(2), in(3)}, {count}}},
+                         4, n, 0);
+    // write-then-read: x = a + b, then y = x * k sees the new x.
+    replay_matches_eager(dev,
+                         {GraphKernel{add, {in(0), in(1), in(2)}, {count}},
+                          GraphKernel{scale, {in(3), in(0)}, {GraphValue::var(0), count}}},
+                         4, n, 1, 4);
+  });
+}
+
+TEST_CASE("graph: copies, offsets, fixed buffers and two graphs", "[graph]") {
+  for_each_backend([](Compiled& dev) {
+    const std::size_t n = 512;
+    auto add = dev.load_kernel("add", kernels::add_f32(dev.source_language()));
+    const GraphValue count = GraphValue::of(static_cast<std::int32_t>(n));
+    // A copy feeding a kernel feeding a copy.
+    replay_matches_eager(dev,
+                         {GraphCopy{in(0), in(1), n * 4}, GraphKernel{add, {in(2), in(0), in(1)}, {count}},
+                          GraphCopy{in(3), in(2), n * 4}},
+                         4, n, 0);
+    // Offsets: inputs are views into one base buffer, at different offsets each replay.
+    auto data = random_floats(4 * n, fresh_seed());
+    Buffer base_g(dev.name(), 4 * n, dtypes::float32), base_e(dev.name(), 4 * n, dtypes::float32);
+    base_g.allocate().copyin(std::span<const float>(data));
+    base_e.allocate().copyin(std::span<const float>(data));
+    std::vector<GraphNode> nodes{GraphKernel{add, {in(0), in(1), in(2)}, {count}}};
+    auto native = dev.create_graph(nodes);
+    auto eager = make_eager_graph(dev, nodes);
+    for (std::size_t shift : {std::size_t{0}, std::size_t{16}, std::size_t{48}}) {
+      auto views = [&](Buffer& base) {
+        std::vector<Buffer> v{base.view(n, dtypes::float32, (2 * n + shift) * 4), base.view(n, dtypes::float32, shift * 4),
+                              base.view(n, dtypes::float32, (n + shift) * 4)};
+        std::vector<Allocation> a;
+        for (Buffer& b : v) a.push_back(b.ensure_allocated().allocation());
+        return a;
+      };
+      native->replay(views(base_g), {}, true);
+      eager->replay(views(base_e), {}, true);
+      HostBytes g = base_g.as_buffer(), e = base_e.as_buffer();
+      REQUIRE(std::equal(g.bytes().begin(), g.bytes().end(), e.bytes().begin()));
+    }
+    // Two graphs over the same buffers, replayed alternately, with a fixed buffer in one.
+    Buffer fixed(dev.name(), n, dtypes::float32);
+    auto fixed_data = random_floats(n, fresh_seed());
+    fixed.allocate().copyin(std::span<const float>(fixed_data));
+    auto g1 = dev.create_graph({GraphKernel{add, {in(0), in(1), GraphBuffer::of(fixed.allocation())}, {count}}});
+    auto g2 = dev.create_graph({GraphKernel{add, {in(1), in(0), in(0)}, {count}}});
+    Twin twin(dev, 2, n, fresh_seed());
+    auto e1 = make_eager_graph(dev, g1->nodes()), e2 = make_eager_graph(dev, g2->nodes());
+    for (int r = 0; r < 3; ++r) {
+      g1->replay(twin.allocations(true));
+      g2->replay(twin.allocations(true));
+      e1->replay(twin.allocations(false));
+      e2->replay(twin.allocations(false));
+    }
+    dev.synchronize();
+    twin.check_equal();
+  });
+}
+
+TEST_CASE("graph: bad graphs and replays are errors", "[graph]") {
+  for_each_backend([](Compiled& dev) {
+    auto add = dev.load_kernel("add", kernels::add_f32(dev.source_language()));
+    CHECK_THROWS_WITH(dev.create_graph({GraphKernel{add, {in(0), in(1)}, {GraphValue::of(1)}}}),
+                      Catch::Contains("takes 3 buffers and 1 values, the node gives 2 and 1"));
+    auto g = dev.create_graph({GraphKernel{add, {in(0), in(1), in(2)}, {GraphValue::var(0)}}});
+    Buffer b(dev.name(), 4, dtypes::float32);
+    b.allocate();
+    const Allocation two[] = {b.allocation(), b.allocation()};
+    CHECK_THROWS_WITH(g->replay(two, std::vector<std::int32_t>{4}), Catch::Contains("takes 3 and 1"));
+    auto c = dev.create_graph({GraphCopy{in(0), in(1), 64}});
+    const Allocation small[] = {b.allocation(), b.allocation()};
+    CHECK_THROWS_WITH(c->replay(small), Catch::Contains("node 0 copies 64"));
+  });
+}
+
+TEST_CASE("graph: devices without native graphs replay eagerly", "[graph]") {
+  FakeDevice& fake = fake_device();
+  CHECK_FALSE(fake.supports_graph());
+  Buffer a("fake", 16, dtypes::int32), b("fake", 16, dtypes::int32);
+  auto data = random_bytes(64, fresh_seed());
+  a.allocate().copyin(data);
+  b.allocate();
+  auto g = fake.create_graph({GraphCopy{in(1), in(0), 64}});
+  g->replay(std::vector<Allocation>{a.allocation(), b.allocation()}, {}, true);
+  HostBytes got = b.as_buffer();
+  CHECK(std::equal(got.bytes().begin(), got.bytes().end(), data.begin()));
+}
+
+TEST_CASE("profile: the trace is JSON with one process per device, COMPUTE and DMA lanes, named events", "[profile]") {
+  TempDir dir;
+  const std::string path = dir.str() + "/trace.json";
+  Profiler::global().enable(path);
+  Profiler::global().clear();
+  auto& dev = dynamic_cast<CpuHCQDevice&>(Device["LLVM"]);
+  auto add = dev.load_kernel("add", kernels::add_f32(SourceLanguage::LLVMIR));
+  const std::size_t n = 4096;
+  auto data = random_floats(n, fresh_seed());
+  Buffer a("LLVM", n, dtypes::float32), o("LLVM", n, dtypes::float32);
+  dev.cpu_allocator().set_force_staging(true);
+  a.allocate().copyin(std::span<const float>(data));  // through the ring: timestamps from the copy queue
+  dev.cpu_allocator().set_force_staging(false);
+  o.allocate();
+  auto g = dev.create_graph({GraphKernel{add, {in(0), in(1), in(1)}, {GraphValue::of(static_cast<std::int32_t>(n))}}});
+  g->replay(std::vector<Allocation>{o.allocation(), a.allocation()}, {}, true);
+  std::vector<float> out(n);
+  o.copyout(std::span<float>(out));
+  CHECK(out[7] == data[7] + data[7]);
+  const std::size_t written = Profiler::global().write();
+  Profiler::global().enable("");
+  CHECK(written >= 3);
+  std::ifstream f(path);
+  nlohmann::json trace = nlohmann::json::parse(f);  // throws if it is not JSON
+  std::map<std::string, int> names;
+  bool llvm_process = false, compute = false, dma = false;
+  double last_ts = 0;
+  for (const auto& e : trace.at("traceEvents")) {
+    if (e.at("ph") == "M") {
+      const std::string arg = e.at("args").at("name");
+      llvm_process |= e.at("name") == "process_name" && arg == "LLVM";
+      compute |= arg == "COMPUTE";
+      dma |= arg == "DMA";
+      continue;
+    }
+    CHECK(e.at("ph") == "X");
+    CHECK(e.at("dur").get<double>() >= 0);
+    last_ts = std::max(last_ts, e.at("ts").get<double>());
+    names[e.at("name").get<std::string>()] += 1;
+  }
+  CHECK(llvm_process);
+  CHECK(compute);
+  CHECK(dma);
+  CHECK(last_ts > 0);
+  CHECK(names["CPU -> LLVM"] >= 1);
+  CHECK(names["LLVM -> CPU"] >= 1);
+  CHECK(names["add"] >= 1);
+}

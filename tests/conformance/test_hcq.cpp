@@ -1,0 +1,352 @@
+// The seed's HCQ behaviour on every HCQ device: signals, queues and their patching, the timeline,
+// the staging ring, transfers, bad input.
+#include <thread>
+
+#include "hcq_support.hpp"
+
+using namespace tinydev;
+using namespace tinydev::testing;
+using namespace std::chrono_literals;
+
+TEST_CASE("hcq: a wait on a value set late times out first, then succeeds", "[hcq]") {
+  for_each_hcq_device([](CpuHCQDevice& dev) {
+    Signal s = dev.alloc_signal(0);
+    const std::uint64_t want = 1 + fresh_seed() % 1000;
+    CHECK_THROWS_AS(s.wait(want, 20ms), Timeout);
+    CHECK_THROWS_WITH(s.wait(want, 20ms), Catch::Contains(s.describe()) && Catch::Contains("to reach " + std::to_string(want)) &&
+                                              Catch::Contains("it is at 0"));
+    std::thread setter([&] {
+      std::this_thread::sleep_for(30ms);
+      s.set(want);
+    });
+    CHECK_NOTHROW(s.wait(want, 5000ms));
+    setter.join();
+    // A queue sets it too, and a host waiter sleeping on it wakes.
+    std::thread waiter([&] { s.wait(want + 5, 5000ms); });
+    std::this_thread::sleep_for(10ms);
+    dev.compute_queue().signal(s, want + 5).submit(dev);
+    waiter.join();
+    CHECK(s.value() == want + 5);
+    dev.free_signal(s);
+  });
+}
+
+TEST_CASE("hcq: queued waits hold later commands until the signal arrives", "[hcq]") {
+  for_each_hcq_device([](CpuHCQDevice& dev) {
+    Signal gate = dev.alloc_signal(0), done = dev.alloc_signal(0);
+    dev.compute_queue().wait(gate, 7).signal(done, 1).submit(dev);
+    std::this_thread::sleep_for(20ms);
+    CHECK(done.value() == 0);
+    gate.set(7);
+    done.wait(1, 5000ms);
+    CHECK(done.value() == 1);
+  });
+}
+
+TEST_CASE("hcq: update_signal and update_wait patch a recorded queue, which resubmits", "[hcq]") {
+  for_each_hcq_device([](CpuHCQDevice& dev) {
+    Signal a = dev.alloc_signal(0), b = dev.alloc_signal(0), gate = dev.alloc_signal(0);
+    CpuHCQDevice::compute_queue_type q;
+    q.wait(gate, 1).signal(a, 10);
+    REQUIRE(q.size() == 2);
+    q.submit(dev);
+    gate.set(1);
+    a.wait(10, 5000ms);
+    q.update_wait(0, std::nullopt, 2).update_signal(1, b, 20);
+    q.submit(dev);
+    std::this_thread::sleep_for(10ms);
+    CHECK(b.value() == 0);  // still waiting for gate >= 2
+    gate.set(2);
+    b.wait(20, 5000ms);
+    CHECK(a.value() == 10);
+    for (int i = 0; i < 5; ++i) {
+      q.update_signal(1, std::nullopt, 21 + i).submit(dev);
+      b.wait(21 + i, 5000ms);
+    }
+  });
+}
+
+TEST_CASE("hcq: one exec, and two kernels ping-ponged 100 times giving 200", "[hcq]") {
+  for_each_hcq_device([](CpuHCQDevice& dev) {
+    auto ping = load_cpu(dev, "ping", inc_kernel("ping"));
+    auto pong = load_cpu(dev, "pong", inc_kernel("pong"));
+    Buffer a(dev.name(), 1, dtypes::int32), b(dev.name(), 1, dtypes::int32);
+    const std::int32_t zero = 0;
+    a.allocate().copyin(std::span<const std::int32_t>(&zero, 1));
+    b.allocate().copyin(std::span<const std::int32_t>(&zero, 1));
+    Kernargs ab = dev.alloc_kernargs(2, 0), ba = dev.alloc_kernargs(2, 0);
+    const Allocation to_b[] = {b.allocation(), a.allocation()}, to_a[] = {a.allocation(), b.allocation()};
+    fill_kernargs(*ping, ab, to_b, {});
+    fill_kernargs(*pong, ba, to_a, {});
+    std::lock_guard lock(dev.submit_mutex());
+    // One exec.
+    std::uint64_t v = dev.next_timeline_value();
+    dev.compute_queue().wait(dev.timeline_signal(), v - 1).exec(*ping, ab, {1, 1, 1}, {1, 1, 1})
+        .signal(dev.timeline_signal(), v).submit(dev);
+    dev.synchronize();
+    std::int32_t got = -1;
+    b.copyout(std::span<std::int32_t>(&got, 1));
+    CHECK(got == 1);
+    // 100 ping-pongs in one queue: a = 2*i, b = 2*i - 1.
+    auto q = dev.compute_queue();
+    q.wait(dev.timeline_signal(), dev.timeline_value() - 1);
+    for (int i = 0; i < 100; ++i) q.exec(*pong, ba, {1, 1, 1}, {1, 1, 1}).exec(*ping, ab, {1, 1, 1}, {1, 1, 1});
+    v = dev.next_timeline_value();
+    q.signal(dev.timeline_signal(), v).submit(dev);
+    dev.synchronize();
+    a.copyout(std::span<std::int32_t>(&got, 1));
+    CHECK(got == 200);
+    b.copyout(std::span<std::int32_t>(&got, 1));
+    CHECK(got == 201);
+  });
+}
+
+TEST_CASE("hcq: exec with a grid appends the index, and update_exec changes the sizes", "[hcq]") {
+  for_each_hcq_device([](CpuHCQDevice& dev) {
+    auto fill = load_cpu(dev, "fill", kFill);
+    REQUIRE(fill->signature() == KernelSignature{1, 2});  // the grid index is the last value
+    const std::int32_t k = static_cast<std::int32_t>(fresh_seed() % 100000);
+    Buffer out(dev.name(), 64, dtypes::int32);
+    std::vector<std::int32_t> init(64, -1);
+    out.allocate().copyin(std::span<const std::int32_t>(init));
+    Kernargs args = dev.alloc_kernargs(1, 1);
+    const Allocation bufs[] = {out.allocation()};
+    const std::int32_t vals[] = {k};
+    fill_kernargs(*fill, args, bufs, vals);
+    std::lock_guard lock(dev.submit_mutex());
+    auto q = dev.compute_queue();
+    std::uint64_t v = dev.next_timeline_value();
+    q.wait(dev.timeline_signal(), v - 1).exec(*fill, args, {4, 2, 1}, {1, 1, 1}).signal(dev.timeline_signal(), v).submit(dev);
+    dev.synchronize();
+    std::vector<std::int32_t> got(64);
+    out.copyout(std::span<std::int32_t>(got));
+    for (int i = 0; i < 64; ++i) CHECK(got[i] == (i < 8 ? k + i : -1));
+    v = dev.next_timeline_value();
+    q.update_exec(1, {8, 2, 2}, {2, 1, 1}).update_wait(0, std::nullopt, v - 1).update_signal(2, std::nullopt, v).submit(dev);
+    dev.synchronize();
+    out.copyout(std::span<std::int32_t>(got));
+    for (int i = 0; i < 64; ++i) CHECK(got[i] == (i < 32 ? k + i : -1));
+    // The direct call path runs grids the same way.
+    (*fill)(bufs, vals, LaunchParams{.global = {64, 1, 1}});
+    out.copyout(std::span<std::int32_t>(got));
+    for (int i = 0; i < 64; ++i) CHECK(got[i] == k + i);
+  });
+}
+
+TEST_CASE("hcq: copies of 8 bytes and 64 MiB, and with updated addresses", "[hcq]") {
+  for_each_hcq_device([](CpuHCQDevice& dev) {
+    const std::uint64_t seed = fresh_seed();
+    INFO("seed " << seed);
+    for (std::size_t size : {std::size_t{8}, std::size_t{64} << 20}) {
+      auto data = random_bytes(size, seed + size);
+      Buffer src(dev.name(), size, dtypes::uint8), dst(dev.name(), size, dtypes::uint8), dst2(dev.name(), size, dtypes::uint8);
+      src.allocate().copyin(data);
+      dst.allocate();
+      dst2.allocate();
+      std::lock_guard lock(dev.submit_mutex());
+      auto q = dev.copy_queue();
+      std::uint64_t v = dev.next_timeline_value();
+      q.wait(dev.timeline_signal(), v - 1).copy(dst.allocation(), src.allocation(), size).signal(dev.timeline_signal(), v).submit(dev);
+      dev.synchronize();
+      CHECK(std::equal(data.begin(), data.end(), dst.as_buffer(true).bytes().begin()));
+      v = dev.next_timeline_value();
+      q.update_copy(1, dst2.allocation(), std::nullopt).update_wait(0, std::nullopt, v - 1).update_signal(2, std::nullopt, v).submit(dev);
+      dev.synchronize();
+      CHECK(std::equal(data.begin(), data.end(), dst2.as_buffer(true).bytes().begin()));
+    }
+  });
+}
+
+TEST_CASE("hcq: a signal waited on by another device", "[hcq]") {
+  auto& llvm = dynamic_cast<CpuHCQDevice&>(Device["LLVM"]);
+  auto& other = dynamic_cast<CpuHCQDevice&>(Device["CLANG"]);
+  Signal from_llvm = llvm.alloc_signal(0), done = other.alloc_signal(0);
+  other.compute_queue().wait(from_llvm, 3).signal(done, 1).submit(other);
+  std::this_thread::sleep_for(10ms);
+  CHECK(done.value() == 0);
+  llvm.compute_queue().signal(from_llvm, 3).submit(llvm);
+  done.wait(1, 5000ms);
+  CHECK(done.value() == 1);
+}
+
+TEST_CASE("hcq: timestamps are positive and ordered", "[hcq]") {
+  for_each_hcq_device([](CpuHCQDevice& dev) {
+    Signal t0 = dev.alloc_signal(), t1 = dev.alloc_signal(), t2 = dev.alloc_signal(), done = dev.alloc_signal();
+    auto fill = load_cpu(dev, "fill", kFill);
+    Buffer out(dev.name(), 1 << 16, dtypes::int32);
+    out.allocate();
+    Kernargs args = dev.alloc_kernargs(1, 1);
+    const Allocation bufs[] = {out.allocation()};
+    const std::int32_t vals[] = {1};
+    fill_kernargs(*fill, args, bufs, vals);
+    dev.compute_queue().timestamp(t0).exec(*fill, args, {1 << 16, 1, 1}, {1, 1, 1}).timestamp(t1).timestamp(t2)
+        .signal(done, 1).submit(dev);
+    done.wait(1, 5000ms);
+    CHECK(t0.timestamp() > 0);
+    CHECK(t1.timestamp() > t0.timestamp());
+    CHECK(t2.timestamp() >= t1.timestamp());
+  });
+}
+
+TEST_CASE("hcq: the timeline started at 2^32-20 rolls over with all work still correct", "[hcq]") {
+  for_each_hcq_device([](CpuHCQDevice& dev) {
+    auto ping = load_cpu(dev, "ping", inc_kernel("ping"));
+    Buffer a(dev.name(), 1, dtypes::int32), b(dev.name(), 1, dtypes::int32);
+    const std::int32_t zero = 0;
+    a.allocate().copyin(std::span<const std::int32_t>(&zero, 1));
+    b.allocate().copyin(std::span<const std::int32_t>(&zero, 1));
+    dev.synchronize();
+    dev.set_timeline_for_testing((1ull << 32) - 20);
+    const Signal old_timeline = dev.timeline_signal();
+    Kernargs args = dev.alloc_kernargs(2, 0);
+    const Allocation ab[] = {a.allocation(), a.allocation()};
+    fill_kernargs(*ping, args, ab, {});
+    for (int i = 0; i < 40; ++i) {
+      {
+        std::lock_guard lock(dev.submit_mutex());
+        const std::uint64_t v = dev.next_timeline_value();
+        dev.compute_queue().wait(dev.timeline_signal(), v - 1).exec(*ping, args, {1, 1, 1}, {1, 1, 1})
+            .signal(dev.timeline_signal(), v).submit(dev);
+      }
+      if (i % 10 == 9) dev.synchronize();  // the wrap happens at a synchronize past 2^31
+    }
+    dev.synchronize();
+    CHECK(dev.timeline_value() < 100);  // wrapped
+    CHECK_FALSE(dev.timeline_signal() == old_timeline);
+    std::int32_t got = 0;
+    a.copyout(std::span<std::int32_t>(&got, 1));
+    CHECK(got == 40);
+    // Staging copies after the wrap still work.
+    auto data = random_bytes((2u << 20) + 3, fresh_seed());
+    Buffer big(dev.name(), data.size(), dtypes::uint8);
+    dev.cpu_allocator().set_force_staging(true);
+    big.allocate().copyin(data);
+    std::vector<std::byte> back(data.size());
+    big.copyout(back);
+    dev.cpu_allocator().set_force_staging(false);
+    CHECK(back == data);
+  });
+}
+
+TEST_CASE("hcq: staging-ring copyin of 1 B, 2 MiB-1, 2 MiB+1 and 64 MiB+3", "[hcq]") {
+  for_each_hcq_device([](CpuHCQDevice& dev) {
+    dev.cpu_allocator().set_force_staging(true);
+    const std::uint64_t seed = fresh_seed();
+    INFO("seed " << seed);
+    for (std::size_t size : {std::size_t{1}, (std::size_t{2} << 20) - 1, (std::size_t{2} << 20) + 1, (std::size_t{64} << 20) + 3}) {
+      INFO("size " << size);
+      std::vector<std::byte> data = random_bytes(size, seed + size);
+      Buffer b(dev.name(), size, dtypes::uint8);
+      b.allocate().copyin(data);
+      std::fill(data.begin(), data.end(), std::byte{0});  // copyin returned: our memory is free to reuse
+      std::vector<std::byte> back(size);
+      b.copyout(back);
+      CHECK(back == random_bytes(size, seed + size));
+    }
+    dev.cpu_allocator().set_force_staging(false);
+  });
+}
+
+TEST_CASE("hcq: transfer between two devices is ordered on both timelines", "[hcq]") {
+  auto& src_dev = dynamic_cast<CpuHCQDevice&>(Device["LLVM"]);
+  auto& dst_dev = dynamic_cast<CpuHCQDevice&>(Device["CLANG"]);
+  const std::uint64_t seed = fresh_seed();
+  auto data = random_bytes(3u << 20, seed);
+  Buffer src("LLVM", data.size(), dtypes::uint8), dst("CLANG", data.size(), dtypes::uint8);
+  src.allocate().copyin(data);
+  dst.allocate();
+  cpu::CpuAllocator::transfer(dst.allocation(), src.allocation(), data.size(), src_dev, dst_dev);
+  std::vector<std::byte> back(data.size());
+  dst.copyout(back);  // synchronizes CLANG, whose timeline waited on LLVM's copy
+  CHECK(back == data);
+  CHECK_THROWS_AS(cpu::CpuAllocator::transfer(dst.allocation(), src.allocation(), data.size() + 1, src_dev, dst_dev),
+                  InvalidArgument);
+}
+
+TEST_CASE("hcq: bad input is an error before anything is queued", "[hcq]") {
+  register_fakes();
+  for_each_hcq_device([](CpuHCQDevice& dev) {
+    auto ping = load_cpu(dev, "ping", inc_kernel("ping"));
+    Buffer a(dev.name(), 4, dtypes::int32), b(dev.name(), 8, dtypes::int32);
+    a.allocate();
+    b.allocate();
+    // Freed and foreign signals.
+    Signal freed = dev.alloc_signal();
+    dev.free_signal(freed);
+    CHECK_THROWS_WITH(freed.wait(1, 10ms), Catch::Contains("was freed"));
+    auto q = dev.compute_queue();
+    CHECK_THROWS_WITH(q.wait(freed, 1), Catch::Contains("was freed"));
+    CHECK(q.size() == 0);
+    SignalPool foreign("elsewhere");
+    Signal alien = foreign.alloc(0);
+    q.signal(alien, 1);
+    CHECK_THROWS_WITH(q.submit(dev), Catch::Contains("pool 'elsewhere'") && Catch::Contains("cannot reach"));
+    CHECK(alien.value() == 0);
+    // Wrong numbers of buffers or values.
+    Kernargs three = dev.alloc_kernargs(3, 0);
+    const Allocation bufs3[] = {a.allocation(), a.allocation(), a.allocation()};
+    CHECK_THROWS_WITH(fill_kernargs(*ping, three, bufs3, {}), Catch::Contains("takes 2 buffers and 0 values, got 3 and 0"));
+    auto q2 = dev.compute_queue();
+    CHECK_THROWS_WITH(q2.exec(*ping, three, {1, 1, 1}, {1, 1, 1}), Catch::Contains("takes 2 buffers"));
+    CHECK(q2.size() == 0);
+    // Patches out of range or of the wrong kind.
+    Signal s = dev.alloc_signal();
+    q2.signal(s, 1);
+    CHECK_THROWS_WITH(q2.update_signal(5, std::nullopt, 2), Catch::Contains("out of range"));
+    CHECK_THROWS_WITH(q2.update_wait(0, std::nullopt, 2), Catch::Contains("called update_wait not on a wait command"));
+    CHECK_THROWS_WITH(q2.update_exec(0, {1, 1, 1}, {1, 1, 1}), Catch::Contains("not on a exec command"));
+    // A copy past a buffer's end.
+    auto c = dev.copy_queue();
+    CHECK_THROWS_WITH(c.copy(a.allocation(), b.allocation(), b.nbytes()), Catch::Contains("past the end of the destination"));
+    CHECK(c.size() == 0);
+    c.copy(b.allocation(), a.allocation(), a.nbytes());
+    CHECK_THROWS_AS(c.update_copy(0, std::nullopt, Allocation{a.allocation().va_addr, 4, nullptr}), InvalidArgument);
+    // Submitting to a device of another kind.
+    CHECK_THROWS_WITH(q2.submit(Device["FAKE"]), Catch::Contains("runs on CPU devices"));
+    CHECK(s.value() == 0);  // nothing half-submitted
+    dev.free_signal(s);
+  });
+}
+
+TEST_CASE("hcq: a failure poisons the signals its queue would set", "[hcq]") {
+  for_each_hcq_device([](CpuHCQDevice& dev) {
+    Signal upstream = dev.alloc_signal(0), downstream = dev.alloc_signal(0);
+    dev.compute_queue().wait(upstream, 1).signal(downstream, 1).submit(dev);
+    upstream.poison("the copy engine faulted");
+    CHECK_THROWS_WITH(downstream.wait(1, 5000ms), Catch::Contains("poisoned") && Catch::Contains("copy engine faulted"));
+    CHECK_THROWS_WITH(upstream.wait(1, 100ms), Catch::Contains("poisoned"));
+    // The device keeps working for everything else.
+    dev.synchronize();
+    Signal fine = dev.alloc_signal(0);
+    dev.compute_queue().signal(fine, 2).submit(dev);
+    fine.wait(2, 5000ms);
+  });
+}
+
+TEST_CASE("hcq: direct program calls run after queued work", "[hcq]") {
+  for_each_hcq_device([](CpuHCQDevice& dev) {
+    auto ping = load_cpu(dev, "ping", inc_kernel("ping"));
+    Buffer a(dev.name(), 1, dtypes::int32);
+    const std::int32_t zero = 0;
+    a.allocate().copyin(std::span<const std::int32_t>(&zero, 1));
+    Signal gate = dev.alloc_signal(0);
+    Kernargs args = dev.alloc_kernargs(2, 0);
+    const Allocation aa[] = {a.allocation(), a.allocation()};
+    fill_kernargs(*ping, args, aa, {});
+    {
+      std::lock_guard lock(dev.submit_mutex());
+      const std::uint64_t v = dev.next_timeline_value();
+      dev.compute_queue().wait(dev.timeline_signal(), v - 1).wait(gate, 1).exec(*ping, args, {1, 1, 1}, {1, 1, 1})
+          .signal(dev.timeline_signal(), v).submit(dev);
+    }
+    std::thread opener([&] {
+      std::this_thread::sleep_for(20ms);
+      gate.set(1);
+    });
+    (*ping)(aa, {});  // waits for the queued increment first: 0 -> 1 -> 2
+    opener.join();
+    std::int32_t got = 0;
+    a.copyout(std::span<std::int32_t>(&got, 1));
+    CHECK(got == 2);
+  });
+}
