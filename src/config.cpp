@@ -41,8 +41,9 @@ struct State {
 };
 
 State& state() {
-  static State s;
-  return s;
+  // Never destroyed: exit handlers (the profile writer) and other static destructors read settings.
+  static State* s = new State;
+  return *s;
 }
 
 bool parse_flag(std::string_view var, const std::string& v) {

@@ -31,6 +31,11 @@ Blob wrap_object(std::span<const std::byte> object, const std::vector<KernelInfo
     put16(out, k.signature.num_buffers);
     put16(out, k.signature.num_values);
   }
+  // A u16 count of zero bytes, then those bytes, so the object starts 8-byte aligned in the blob
+  // (its ELF structures are read in place).
+  const std::uint32_t padding = static_cast<std::uint32_t>((8 - (out.size() + 2) % 8) % 8);
+  put16(out, padding);
+  out.insert(out.end(), padding, std::byte{0});
   out.insert(out.end(), object.begin(), object.end());
   return out;
 }
@@ -66,6 +71,10 @@ UnwrappedBlob unwrap_object(std::span<const std::byte> blob) {
     k.signature.num_values = get16();
     out.kernels.push_back(std::move(k));
   }
+  const std::uint32_t padding = get16();
+  need(padding);
+  if (padding >= 8) throw InvalidArgument("a CPU kernel blob's signature header is malformed: recompile it");
+  at += padding;
   out.object = blob.subspan(at);
   return out;
 }

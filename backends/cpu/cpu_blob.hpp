@@ -2,7 +2,8 @@
 // object file, prefixed by the kernels' signatures (how many buffers, how many int32 values) so
 // that launches with the wrong counts are errors instead of undefined behaviour.
 //
-//   magic "TDVCPU01" | u32 count | count x (u16 name length, name, u16 buffers, u16 values) | object
+//   magic "TDVCPU01" | u32 count | count x (u16 name length, name, u16 buffers, u16 values) |
+//   u16 padding | padding zero bytes (to 8-byte alignment) | object
 //
 // A blob without the magic is taken as a bare object file with unknown signatures.
 #pragma once

@@ -7,6 +7,7 @@
 
 #include <cstring>
 #include <limits>
+#include <vector>
 #include <unordered_map>
 
 namespace tinydev::cpu {
@@ -47,7 +48,8 @@ bool parse(std::span<const std::byte> blob, Elf& elf) {
   const Elf64_Ehdr& h = *elf.header;
   if (h.e_ident[EI_CLASS] != ELFCLASS64 || h.e_ident[EI_DATA] != ELFDATA2LSB || h.e_type != ET_REL)
     return false;
-  if (h.e_shentsize != sizeof(Elf64_Shdr) || !elf.in_bounds(h.e_shoff, std::uint64_t{h.e_shnum} * sizeof(Elf64_Shdr)))
+  if (h.e_shentsize != sizeof(Elf64_Shdr) || h.e_shoff % 8 != 0 ||
+      !elf.in_bounds(h.e_shoff, std::uint64_t{h.e_shnum} * sizeof(Elf64_Shdr)))
     return false;
   elf.sections = {reinterpret_cast<const Elf64_Shdr*>(elf.data + h.e_shoff), h.e_shnum};
   if (h.e_shstrndx < h.e_shnum) {
@@ -59,7 +61,8 @@ bool parse(std::span<const std::byte> blob, Elf& elf) {
   }
   for (const Elf64_Shdr& s : elf.sections) {
     if (s.sh_type != SHT_SYMTAB) continue;
-    if (s.sh_entsize != sizeof(Elf64_Sym) || !elf.in_bounds(s.sh_offset, s.sh_size) || s.sh_link >= h.e_shnum)
+    if (s.sh_entsize != sizeof(Elf64_Sym) || s.sh_offset % 8 != 0 || !elf.in_bounds(s.sh_offset, s.sh_size) ||
+        s.sh_link >= h.e_shnum)
       return false;
     const Elf64_Shdr& str = elf.sections[s.sh_link];
     if (!elf.in_bounds(str.sh_offset, str.sh_size)) return false;
@@ -71,6 +74,18 @@ bool parse(std::span<const std::byte> blob, Elf& elf) {
 }
 
 std::size_t align_up(std::size_t v, std::size_t a) { return a <= 1 ? v : (v + a - 1) / a * a; }
+
+// ELF structures are read in place, which needs 8-byte alignment: copy a misaligned blob first.
+struct Aligned {
+  std::vector<std::uint64_t> storage;
+  std::span<const std::byte> bytes;
+  explicit Aligned(std::span<const std::byte> blob) : bytes(blob) {
+    if (reinterpret_cast<std::uintptr_t>(blob.data()) % alignof(Elf64_Ehdr) == 0) return;
+    storage.resize((blob.size() + 7) / 8);
+    std::memcpy(storage.data(), blob.data(), blob.size());
+    bytes = std::span<const std::byte>(reinterpret_cast<const std::byte*>(storage.data()), blob.size());
+  }
+};
 
 bool skipped_section(const Elf& elf, const Elf64_Shdr& s) {
   // Unwind tables are only for debuggers and exceptions, which kernels do not throw; loading them
@@ -85,8 +100,9 @@ LoadedObject::~LoadedObject() {
 }
 
 std::optional<std::vector<std::string>> elf_functions(std::span<const std::byte> blob) {
+  Aligned aligned(blob);
   Elf elf;
-  if (!parse(blob, elf)) return std::nullopt;
+  if (!parse(aligned.bytes, elf)) return std::nullopt;
   std::vector<std::string> out;
   for (const Elf64_Sym& s : elf.symbols)
     if (ELF64_ST_TYPE(s.st_info) == STT_FUNC && ELF64_ST_BIND(s.st_info) != STB_LOCAL && s.st_shndx != SHN_UNDEF)
@@ -101,8 +117,9 @@ ElfLoadResult load_elf_x86_64(std::span<const std::byte> blob, std::string_view 
     result.declined = std::move(why);
     return std::move(result);
   };
+  Aligned aligned(blob);
   Elf elf;
-  if (!parse(blob, elf)) return decline("not an ELF64 little-endian relocatable object");
+  if (!parse(aligned.bytes, elf)) return decline("not an ELF64 little-endian relocatable object");
   if (elf.header->e_machine != EM_X86_64) return decline("not an x86-64 object");
   const std::size_t nsec = elf.sections.size();
 
@@ -126,7 +143,7 @@ ElfLoadResult load_elf_x86_64(std::span<const std::byte> blob, std::string_view 
     const Elf64_Shdr& r = elf.sections[i];
     if (r.sh_type == SHT_REL) return decline("REL relocations (x86-64 objects use RELA)");
     if (r.sh_type != SHT_RELA || r.sh_info >= nsec || !loaded[r.sh_info]) continue;
-    if (r.sh_entsize != sizeof(Elf64_Rela) || !elf.in_bounds(r.sh_offset, r.sh_size))
+    if (r.sh_entsize != sizeof(Elf64_Rela) || r.sh_offset % 8 != 0 || !elf.in_bounds(r.sh_offset, r.sh_size))
       return decline("malformed relocation section");
     for (const Elf64_Rela& rel : std::span<const Elf64_Rela>(
              reinterpret_cast<const Elf64_Rela*>(elf.data + r.sh_offset), r.sh_size / sizeof(Elf64_Rela))) {
@@ -192,6 +209,10 @@ ElfLoadResult load_elf_x86_64(std::span<const std::byte> blob, std::string_view 
     if (s.st_shndx == SHN_ABS) {
       out = s.st_value;
       return true;
+    }
+    if (s.st_shndx < nsec && loaded[s.st_shndx] && s.st_value > elf.sections[s.st_shndx].sh_size) {
+      result.declined = "a symbol lies outside its section";
+      return false;
     }
     if (s.st_shndx >= nsec || !loaded[s.st_shndx]) {
       result.declined = "a symbol in a section that is not loaded";
@@ -302,6 +323,7 @@ ElfLoadResult load_elf_x86_64(std::span<const std::byte> blob, std::string_view 
     if (ELF64_ST_TYPE(s.st_info) != STT_FUNC || s.st_shndx == SHN_UNDEF || s.st_shndx >= nsec ||
         !loaded[s.st_shndx] || elf.symbol_name(s) != function)
       continue;
+    if (s.st_value >= elf.sections[s.st_shndx].sh_size) return decline("the function's address lies outside its section");
     object->entry = base + place[s.st_shndx] + s.st_value;
   }
   if (!object->entry) return decline(fmt::format("function '{}' not found", function));

@@ -33,7 +33,7 @@ class LLVMCompiler final : public Compiler {
     const cpu::HostTarget& t = cpu::host_target();
     // Everything that changes the object code: LLVM's version, the target, the host's CPU and
     // features, the optimization level.
-    identity_ = fmt::format("llvm {} {} {} features:{:016x} O2/codegen-O3 pic blob:TDVCPU01", LLVM_VERSION_STRING,
+    identity_ = fmt::format("llvm {} {} {} features:{:016x} O2/codegen-O3 pic blob:TDVCPU01a", LLVM_VERSION_STRING,
                             t.triple, t.cpu, XXH3_64bits(t.features.data(), t.features.size()));
   }
 

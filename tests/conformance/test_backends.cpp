@@ -86,8 +86,8 @@ TEST_CASE("backends: launches with the wrong counts, an empty grid or too many a
     CHECK_THROWS_WITH((*prg)(std::span(bufs, 2), vals), Catch::Contains("takes 3 buffers and 1 values, got 2 and 1"));
     CHECK_THROWS_WITH((*prg)(bufs, {}), Catch::Contains("got 3 and 0"));
     CHECK_THROWS_WITH((*prg)(bufs, vals, LaunchParams{.global = {2, 0, 1}}), Catch::Contains("zero dimension"));
-    auto unchecked = dev.runtime().load("add", cpu::unwrap_object(dev.compiler().compile_cached(
-                                                   kernels::add_f32(dev.source_language()))).object);
+    const Blob wrapped = dev.compiler().compile_cached(kernels::add_f32(dev.source_language()));
+    auto unchecked = dev.runtime().load("add", cpu::unwrap_object(wrapped).object);
     CHECK_FALSE(unchecked->signature().has_value());  // a bare object: counts are the caller's business
     std::vector<Allocation> many(70, o.allocation());
     CHECK_THROWS_WITH((*unchecked)(many, vals), Catch::Contains("more than the 64 arguments"));

@@ -80,7 +80,8 @@ TEST_CASE("loaders: the fast loader rejects garbage without crashing", "[loaders
   const std::uint64_t seed = fresh_seed();
   INFO("seed " << seed);
   Compiled& dev = Device["LLVM"];
-  const auto object = cpu::unwrap_object(dev.compiler().compile_cached(kernels::add_f32(SourceLanguage::LLVMIR))).object;
+  const Blob wrapped = dev.compiler().compile_cached(kernels::add_f32(SourceLanguage::LLVMIR));
+  const auto object = cpu::unwrap_object(wrapped).object;
   Blob blob(object.begin(), object.end());
   std::mt19937_64 rng(seed);
   auto resolve = [](std::string_view) -> void* { return nullptr; };
