@@ -17,7 +17,9 @@
 #include <string>
 #include <vector>
 
+#include "cpu_hcq.hpp"
 #include "demo_kernels.hpp"
+#include "tinydev/hcq.hpp"
 #include "tinydev/tinydev.hpp"
 
 using namespace tinydev;
@@ -181,6 +183,150 @@ void bench_add_kernel() {
       kernel_rate / copy_rate >= 0.8);
 }
 
+// ---- HCQ ----------------------------------------------------------------------------------------
+
+struct SmallKernel {
+  cpu::CpuHCQDevice& dev;
+  std::shared_ptr<cpu::CpuProgram> prg;
+  Buffer a, b, o;
+  Kernargs args;
+  using Fn = void (*)(float*, float*, float*, std::int32_t);
+  Fn fn;
+  static constexpr std::int32_t n = 16;
+  SmallKernel()
+      : dev(dynamic_cast<cpu::CpuHCQDevice&>(Device["LLVM"])),
+        prg(std::dynamic_pointer_cast<cpu::CpuProgram>(dev.load_kernel("add", kernels::add_f32(SourceLanguage::LLVMIR)))),
+        a("LLVM", n, dtypes::float32), b("LLVM", n, dtypes::float32), o("LLVM", n, dtypes::float32) {
+    std::vector<float> init(n, 1.5f);
+    a.allocate().copyin(std::span<const float>(init));
+    b.allocate().copyin(std::span<const float>(init));
+    o.allocate();
+    args = dev.alloc_kernargs(3, 1);
+    const Allocation bufs[] = {o.allocation(), a.allocation(), b.allocation()};
+    const std::int32_t vals[] = {n};
+    fill_kernargs(*prg, args, bufs, vals);
+    fn = reinterpret_cast<Fn>(prg->host_function());
+  }
+  double direct_ns(std::size_t calls) {
+    Fn volatile f = fn;
+    float *po = o.allocation().host_ptr<float>(), *pa = a.allocation().host_ptr<float>(), *pb = b.allocation().host_ptr<float>();
+    return ns_per_op([&] { f(po, pa, pb, n); }, calls);
+  }
+};
+
+void bench_hcq() {
+  SmallKernel k;
+  const double direct = k.direct_ns(100000);
+  auto& dev = k.dev;
+  // A recorded 100-kernel queue, resubmitted: patch its two timeline values, submit, and in the
+  // steady state the worker runs the commands back to back.
+  constexpr int kKernels = 100;
+  auto q = dev.compute_queue();
+  q.wait(dev.timeline_signal(), 0);
+  for (int i = 0; i < kKernels; ++i) q.exec(*k.prg, k.args, {1, 1, 1}, {1, 1, 1});
+  q.signal(dev.timeline_signal(), 0);
+  const int reps = g_quick ? 200 : 2000;
+  auto replay_batch = [&] {
+    std::lock_guard lock(dev.submit_mutex());
+    for (int r = 0; r < reps; ++r) {
+      const std::uint64_t v = dev.next_timeline_value();
+      q.update_wait(0, dev.timeline_signal(), v - 1).update_signal(kKernels + 1, dev.timeline_signal(), v).submit(dev);
+    }
+    dev.synchronize();
+  };
+  const double per_cmd = ns_per_op(replay_batch, 1, 7) / (reps * kKernels);
+  row("replay of a recorded 100-kernel queue, per command", fmt_ns(per_cmd), fmt_ns(direct),
+      fmt::format("+{:.1f} ns", per_cmd - direct), "< 150 ns over it", per_cmd - direct < 150);
+
+  // The same through a graph: 100 kernel nodes, replayed.
+  std::vector<GraphNode> nodes;
+  for (int i = 0; i < kKernels; ++i)
+    nodes.push_back(GraphKernel{k.prg, {GraphBuffer::of(k.o.allocation()), GraphBuffer::in(0), GraphBuffer::in(1)},
+                                {GraphValue::of(SmallKernel::n)}});
+  auto graph = dev.create_graph(nodes);
+  const Allocation inputs[] = {k.a.allocation(), k.b.allocation()};
+  const int greps = g_quick ? 100 : 1000;
+  const double per_node = ns_per_op([&] {
+    for (int r = 0; r < greps; ++r) graph->replay(inputs);
+    dev.synchronize();
+  }, 1, 7) / (greps * kKernels);
+  row("graph replay of 100 kernel nodes, per node", fmt_ns(per_node), fmt_ns(direct),
+      fmt::format("+{:.1f} ns", per_node - direct), "< 150 ns over it", per_node - direct < 150);
+
+  // Eager: one small queue per kernel (wait, exec, signal), as a framework without graphs does.
+  const int eager = g_quick ? 2000 : 20000;
+  const double per_kernel = ns_per_op([&] {
+    std::lock_guard lock(dev.submit_mutex());
+    for (int i = 0; i < eager; ++i) {
+      const std::uint64_t v = dev.next_timeline_value();
+      dev.compute_queue().wait(dev.timeline_signal(), v - 1).exec(*k.prg, k.args, {1, 1, 1}, {1, 1, 1})
+          .signal(dev.timeline_signal(), v).submit(dev);
+    }
+    dev.synchronize();
+  }, 1, 7) / eager;
+  row("eager exec through a queue, per kernel", fmt_ns(per_kernel), fmt_ns(direct),
+      fmt::format("+{:.1f} ns", per_kernel - direct), "< 1 us over it", per_kernel - direct < 1000);
+}
+
+// Round trips between two threads: one sets, the other waits and answers. p50 of one-way latency.
+template <class Set, class Wait>
+double ping_pong_p50_ns(Set&& set, Wait&& wait, int rounds) {
+  std::vector<double> samples;
+  samples.reserve(rounds);
+  std::thread other([&] {
+    for (int i = 1; i <= rounds; ++i) {
+      wait(0, static_cast<std::uint64_t>(i));
+      set(1, static_cast<std::uint64_t>(i));
+    }
+  });
+  for (int i = 1; i <= rounds; ++i) {
+    const auto start = Clock::now();
+    set(0, static_cast<std::uint64_t>(i));
+    wait(1, static_cast<std::uint64_t>(i));
+    samples.push_back(std::chrono::duration<double, std::nano>(Clock::now() - start).count() / 2);
+  }
+  other.join();
+  std::nth_element(samples.begin(), samples.begin() + samples.size() / 2, samples.end());
+  return samples[samples.size() / 2];
+}
+
+void bench_signals() {
+  const int rounds = g_quick ? 20000 : 200000;
+  auto& dev = dynamic_cast<cpu::CpuHCQDevice&>(Device["LLVM"]);
+  Signal s[2] = {dev.alloc_signal(0), dev.alloc_signal(0)};
+  const double lib = ping_pong_p50_ns([&](int w, std::uint64_t v) { s[w].set(v); },
+                                      [&](int w, std::uint64_t v) { s[w].wait(v); }, rounds);
+  std::atomic<std::uint64_t> raw[2] = {0, 0};
+  const double base = ping_pong_p50_ns([&](int w, std::uint64_t v) { raw[w].store(v, std::memory_order_release); },
+                                       [&](int w, std::uint64_t v) {
+                                         while (raw[w].load(std::memory_order_acquire) < v) __builtin_ia32_pause();
+                                       },
+                                       rounds);
+  row("cross-thread signal -> wake latency, p50", fmt_ns(lib), fmt_ns(base), fmt::format("{:.2f}x", lib / base),
+      "<= 1.5x", lib <= 1.5 * base);
+  dev.free_signal(s[0]);
+  dev.free_signal(s[1]);
+}
+
+void bench_staging() {
+  auto& dev = dynamic_cast<cpu::CpuHCQDevice&>(Device["LLVM"]);
+  const std::size_t bytes = 64u << 20;
+  std::vector<std::byte> host(bytes, std::byte{3}), dst(bytes, std::byte{1});
+  Buffer buf("LLVM", bytes, dtypes::uint8);
+  buf.allocate().copyin(host);
+  const double base = ns_per_op([&] { std::memcpy(dst.data(), host.data(), bytes); keep(dst); }, 1, 9);
+  dev.cpu_allocator().set_force_staging(true);
+  const double ring = ns_per_op([&] { buf.copyin(host); dev.synchronize(); }, 1, 9);
+  dev.cpu_allocator().set_force_staging(false);
+  const double direct = ns_per_op([&] { buf.copyin(host); }, 1, 9);
+  const double gib = 64.0 / 1024;
+  auto gbs = [&](double ns) { return fmt::format("{:.1f} GiB/s", gib / (ns / 1e9)); };
+  row("staging-ring copyin 64 MiB (through the ring, to completion)", gbs(ring), gbs(base),
+      fmt::format("{:.2f}x", base / ring), ">= 0.8x", base / ring >= 0.8);
+  row("copyin 64 MiB on an idle CPU device (direct)", gbs(direct), gbs(base), fmt::format("{:.2f}x", base / direct),
+      ">= 0.9x", base / direct >= 0.9);
+}
+
 std::string cpu_model() {
   std::ifstream f("/proc/cpuinfo");
   std::string line;
@@ -223,6 +369,9 @@ int main(int argc, char** argv) {
     bench_calls();
     bench_compile(exe);
     bench_add_kernel();
+    bench_hcq();
+    bench_signals();
+    bench_staging();
     int missed = 0;
     for (const Row& r : g_rows) missed += !r.met;
     fmt::print("{} of {} targets met\n", g_rows.size() - missed, g_rows.size());

@@ -38,17 +38,21 @@ inline void cpu_relax() {
 
 void SignalSlot::store(std::uint64_t v) noexcept {
   value.store(v, std::memory_order_seq_cst);
-  wake_seq.fetch_add(1, std::memory_order_seq_cst);
-  if (waiters.load(std::memory_order_seq_cst) != 0) futex_wake_all(&wake_seq);
+  if (waiters.load(std::memory_order_seq_cst) != 0) {
+    wake_seq.fetch_add(1, std::memory_order_seq_cst);
+    futex_wake_all(&wake_seq);
+  }
 }
 
 // Note [Signal waits]
 // A waiter spins briefly (most waits in a pipelined queue end within microseconds, and a futex
-// round trip costs more than that), then sleeps on `wake_seq`. The order of operations closes the
-// lost-wakeup window: the waiter reads wake_seq, re-checks the value, registers in `waiters`, and
-// sleeps only if wake_seq is unchanged; a store writes the value, bumps wake_seq, and wakes when
-// anyone is registered. Either the store sees the waiter registered, or the waiter's futex call
-// sees a changed wake_seq and returns at once.
+// round trip costs more than that), then sleeps on `wake_seq`. A store writes the value and, only
+// if someone is registered in `waiters`, bumps wake_seq and wakes: the common store (nobody
+// asleep) is one store and one load. A sleeper registers in `waiters`, then reads wake_seq, then
+// re-checks the value, and sleeps only while wake_seq is unchanged. All of these are seq_cst, so
+// (Dekker) either the store sees the registration and bumps wake_seq (the futex call then returns
+// at once, or the sleeper read the new wake_seq and so sees the new value), or the sleeper's
+// re-check sees the value. No wakeup is lost.
 void wait_signal_slot(SignalSlot& slot, std::uint64_t wanted, std::chrono::nanoseconds timeout,
                       const Signal* handle) {
   auto poisoned = [&] {
@@ -64,17 +68,21 @@ void wait_signal_slot(SignalSlot& slot, std::uint64_t wanted, std::chrono::nanos
   }
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   while (true) {
+    slot.waiters.fetch_add(1, std::memory_order_seq_cst);
     const std::uint32_t seq = slot.wake_seq.load(std::memory_order_seq_cst);
-    if (slot.value.load(std::memory_order_seq_cst) >= wanted) return;
-    if (slot.poisoned.load(std::memory_order_acquire)) throw poisoned();
+    const bool ready = slot.value.load(std::memory_order_seq_cst) >= wanted;
+    const bool poison = slot.poisoned.load(std::memory_order_seq_cst) != 0;
     const auto now = std::chrono::steady_clock::now();
-    if (now >= deadline)
+    if (ready || poison || now >= deadline) {
+      slot.waiters.fetch_sub(1, std::memory_order_seq_cst);
+      if (ready) return;
+      if (poison) throw poisoned();
       throw Timeout(fmt::format(
           "timed out after {} ms waiting for {} to reach {}: it is at {}. Is the queue that signals "
           "it submitted, and not itself waiting on something that never comes?",
           std::chrono::duration_cast<std::chrono::milliseconds>(timeout).count(),
           handle ? handle->describe() : "a signal", wanted, slot.value.load()));
-    slot.waiters.fetch_add(1, std::memory_order_seq_cst);
+    }
     futex_wait(&slot.wake_seq, seq, std::min<std::chrono::nanoseconds>(deadline - now, std::chrono::milliseconds(100)));
     slot.waiters.fetch_sub(1, std::memory_order_seq_cst);
   }
@@ -114,15 +122,23 @@ std::string Signal::describe() const {
 
 // ---- SignalPool ---------------------------------------------------------------------------------
 
-SignalPool::SignalPool(std::string name) : name_(std::move(name)) {}
+SignalPool::SignalPool(std::string name)
+    : name_(std::move(name)), chunk_table_(new std::atomic<SignalSlot*>[kMaxChunks]) {
+  for (std::size_t i = 0; i < kMaxChunks; ++i) chunk_table_[i].store(nullptr, std::memory_order_relaxed);
+}
 SignalPool::~SignalPool() = default;
 
 Signal SignalPool::alloc(std::uint64_t initial) {
   std::lock_guard lock(mutex_);
   if (free_.empty()) {
+    if (chunks_.size() == kMaxChunks)
+      throw OutOfMemory(fmt::format("{}'s signal pool is full ({} live signals): free signals you no longer use",
+                                    name_, live_));
+    const std::size_t capacity = capacity_.load(std::memory_order_relaxed);
     chunks_.push_back(std::make_unique<SignalSlot[]>(kChunk));
-    for (std::size_t i = kChunk; i-- > 0;) free_.push_back(static_cast<std::uint32_t>(capacity_ + i));
-    capacity_ += kChunk;
+    chunk_table_[chunks_.size() - 1].store(chunks_.back().get(), std::memory_order_release);
+    for (std::size_t i = kChunk; i-- > 0;) free_.push_back(static_cast<std::uint32_t>(capacity + i));
+    capacity_.store(capacity + kChunk, std::memory_order_release);
   }
   const std::uint32_t index = free_.back();
   free_.pop_back();
@@ -137,7 +153,7 @@ Signal SignalPool::alloc(std::uint64_t initial) {
 
 void SignalPool::free(const Signal& signal) {
   std::lock_guard lock(mutex_);
-  if (signal.pool_ != this || signal.index_ >= capacity_)
+  if (signal.pool_ != this || signal.index_ >= capacity_.load())
     throw InvalidArgument(fmt::format("cannot free {} into {}'s signal pool: it belongs elsewhere",
                                       signal.describe(), name_));
   SignalSlot& s = chunks_[signal.index_ / kChunk][signal.index_ % kChunk];
@@ -154,10 +170,9 @@ std::size_t SignalPool::live() const {
 }
 
 SignalSlot& SignalPool::slot(const Signal& signal) {
-  std::lock_guard lock(mutex_);
-  if (signal.pool_ != this || signal.index_ >= capacity_)
+  if (signal.pool_ != this || signal.index_ >= capacity_.load(std::memory_order_acquire))
     throw InvalidArgument(fmt::format("{} does not belong to {}'s signal pool", signal.describe(), name_));
-  SignalSlot& s = chunks_[signal.index_ / kChunk][signal.index_ % kChunk];
+  SignalSlot& s = chunk_table_[signal.index_ / kChunk].load(std::memory_order_acquire)[signal.index_ % kChunk];
   if (s.generation.load() != signal.generation_)
     throw InvalidArgument(fmt::format(
         "{} was freed: allocate a new signal instead of reusing a freed handle", signal.describe()));

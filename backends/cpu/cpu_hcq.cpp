@@ -4,6 +4,9 @@
 
 #include <cstdlib>
 #include <cstring>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 #include "tinydev/counters.hpp"
 #include "tinydev/error.hpp"
@@ -29,6 +32,37 @@ void check_pools(const Queue& queue, const CpuHCQDevice& device) {
       throw InvalidArgument(fmt::format("cannot submit to {}: the queue uses a signal of pool '{}', which {} "
                                         "cannot reach; use signals from a CPU device's alloc_signal()",
                                         device.name(), pool->name(), device.name()));
+}
+
+// Note [Streaming copies]
+// A copy command moving a large block writes memory nobody reads soon. Regular stores first read
+// every destination line into the cache (read-for-ownership), which doubles the memory traffic of
+// a staging-ring copy; non-temporal stores skip that. glibc's memcpy only streams above a large
+// threshold (a fraction of the last-level cache), which ring chunks do not reach.
+void copy_command(std::byte* dest, const std::byte* src, std::size_t size) {
+#if defined(__x86_64__)
+  constexpr std::size_t kStreamFrom = 256u << 10;
+  const bool overlap = dest < src + size && src < dest + size;
+  if (size >= kStreamFrom && !overlap) {
+    const std::size_t head = (16 - reinterpret_cast<std::uintptr_t>(dest) % 16) % 16;
+    std::memcpy(dest, src, head);
+    std::size_t i = head;
+    for (; i + 64 <= size; i += 64) {
+      const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 16));
+      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 32));
+      const __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 48));
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dest + i), a);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dest + i + 16), b);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dest + i + 32), c);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dest + i + 48), d);
+    }
+    std::memcpy(dest + i, src + i, size - i);
+    _mm_sfence();  // streaming stores are weakly ordered: finish them before the next signal
+    return;
+  }
+#endif
+  std::memmove(dest, src, size);
 }
 
 inline void cpu_relax() {
@@ -109,7 +143,7 @@ void CpuQueueWorker::run() {
   std::uint64_t taken = 0;
   while (true) {
     // A pipelined producer submits again within microseconds: spin a little before sleeping.
-    for (int spin = 0; spin < 20000 && submitted_.load(std::memory_order_acquire) == taken; ++spin) cpu_relax();
+    for (int spin = 0; spin < 2000 && submitted_.load(std::memory_order_acquire) == taken; ++spin) cpu_relax();
     std::shared_ptr<const std::vector<CpuCommand>> next;
     {
       std::unique_lock lock(mutex_);
@@ -162,7 +196,7 @@ void CpuQueueWorker::execute(const std::vector<CpuCommand>& commands) {
           break;
         }
         case CommandKind::copy:
-          std::memmove(c.dest, c.src, c.size);
+          copy_command(c.dest, c.src, c.size);
           break;
       }
     }
@@ -178,8 +212,13 @@ void CpuQueueWorker::execute(const std::vector<CpuCommand>& commands) {
 
 // ---- allocator ------------------------------------------------------------------------------------
 
+// Note [CPU staging ring size]
+// The seed's 32 x 2 MiB ring suits a GPU, where the ring is only read by the copy engine. On the
+// CPU the ring is written by the caller and read by the copy worker through the same caches: a
+// ring that fits in the last-level cache (4 x 2 MiB) is read back from cache and never written to
+// DRAM, so a copyin through it runs near memcpy speed (bench: 0.5x with 64 MiB of ring, 0.97x with 8).
 CpuAllocator::CpuAllocator(CpuHCQDevice& device)
-    : HCQAllocator<CpuHCQDevice>(device, kDefaultBatchSize, kDefaultBatchCount, /*host_visible=*/true) {}
+    : HCQAllocator<CpuHCQDevice>(device, kDefaultBatchSize, 4, /*host_visible=*/true) {}
 
 CpuAllocator::~CpuAllocator() {
   release_ring();

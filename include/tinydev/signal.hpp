@@ -98,13 +98,17 @@ class SignalPool {
   SignalSlot& slot(const Signal& signal);
 
  private:
+  // Slots live in chunks that never move; the chunk table is fixed-size so that slot() can read it
+  // without the lock (it is on every wait and every recorded command).
   static constexpr std::size_t kChunk = 256;
+  static constexpr std::size_t kMaxChunks = 4096;  // a million signals per pool
   mutable std::mutex mutex_;
   std::string name_;
+  std::unique_ptr<std::atomic<SignalSlot*>[]> chunk_table_;
   std::vector<std::unique_ptr<SignalSlot[]>> chunks_;
   std::vector<std::uint32_t> free_;
   std::size_t live_ = 0;
-  std::size_t capacity_ = 0;
+  std::atomic<std::size_t> capacity_{0};
 };
 
 // Waits for slot->value >= wanted (spin, then futex sleep). `describe` names the signal in
