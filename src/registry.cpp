@@ -162,11 +162,11 @@ std::string DeviceRegistry::default_device() {
   if (!s.device.empty()) return s.device;
   {
     std::lock_guard lock(mutex_);
-    if (!default_probe_.empty()) return default_probe_;
+    if (!default_probe_.empty()) return std::string(default_probe_);
   }
   std::vector<std::string> have = backends();
   std::string reasons;
-  for (std::string candidate : {"CUDA", "LLVM", "CLANG"}) {
+  for (std::string_view candidate : {"CUDA", "LLVM", "CLANG"}) {
     if (std::find(have.begin(), have.end(), candidate) == have.end()) {
       reasons += fmt::format("\n  {}: not in this build", candidate);
       continue;
@@ -175,7 +175,7 @@ std::string DeviceRegistry::default_device() {
       (*this)[candidate];
       std::lock_guard lock(mutex_);
       default_probe_ = candidate;
-      return candidate;
+      return std::string(candidate);
     } catch (const std::exception& e) {
       reasons += fmt::format("\n  {}: {}", candidate, e.what());
     }

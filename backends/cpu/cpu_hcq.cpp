@@ -191,7 +191,9 @@ void CpuQueueWorker::execute(const std::vector<CpuCommand>& commands) {
           }
           const std::uint64_t start = profiling ? Profiler::now_ns() : 0;
           c.program->launch(args, c.num_buffers + c.num_values, c.global);
-          GlobalCounters::kernel_count.fetch_add(1, std::memory_order_relaxed);
+          const std::int64_t launched = GlobalCounters::kernel_count.fetch_add(1, std::memory_order_relaxed) + 1;
+          debug_log(2, "*** {:<7} {:>6} {:<40} arg {:>3} (queued)", device_, launched, c.program->name(),
+                    c.num_buffers + c.num_values);
           if (profiling) Profiler::global().add(ProfileEvent{c.program->name(), start, Profiler::now_ns(), device_, lane_});
           break;
         }

@@ -389,19 +389,27 @@ class HCQProfileScope {
     start_ = device.alloc_signal();
     end_ = device.alloc_signal();
     if (queue_) queue_->timestamp(start_);
-    else Queue().timestamp(start_).submit(device_);
+    else submit_timestamp(start_);
   }
   ~HCQProfileScope() noexcept(false) {
     // While unwinding an error the bracketed work may not have been queued: record nothing.
     if (!enabled_ || std::uncaught_exceptions() > exceptions_) return;
     if (queue_) queue_->timestamp(end_);
-    else Queue().timestamp(end_).submit(device_);
+    else submit_timestamp(end_);
     device_.add_profile_record(ProfileRecord{start_, end_, std::move(name_), is_copy_});
   }
   HCQProfileScope(const HCQProfileScope&) = delete;
   HCQProfileScope& operator=(const HCQProfileScope&) = delete;
 
  private:
+  // A queue of its own that takes a timeline value, so synchronize() also waits for the timestamp
+  // (the records are read, and their signals freed, after a synchronize).
+  void submit_timestamp(const Signal& signal) {
+    std::lock_guard lock(device_.submit_mutex());
+    const std::uint64_t value = device_.next_timeline_value();
+    Queue().wait(device_.timeline_signal(), value - 1).timestamp(signal).signal(device_.timeline_signal(), value).submit(device_);
+  }
+
   Device& device_;
   std::string name_;
   bool is_copy_;

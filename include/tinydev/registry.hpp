@@ -75,7 +75,7 @@ class DeviceRegistry {
   using SlotMap = std::map<std::string, std::shared_ptr<Slot>, std::less<>>;
   SlotMap& slots() const;
   mutable SlotMap* slots_ = nullptr;
-  std::string default_probe_{};  // cached result of the CUDA/LLVM/CLANG probe
+  std::string_view default_probe_{};  // cached result of the CUDA/LLVM/CLANG probe (a literal)
 };
 
 // The process-wide registry (the seed's `Device`).
