@@ -48,14 +48,13 @@ std::uint64_t Profiler::now_ns() noexcept {
 }
 
 bool Profiler::enabled() const {
-  if (!settings().profile.empty()) return true;
-  std::lock_guard lock(mutex_);
-  return !path_override_.empty();
+  return overridden_.load(std::memory_order_acquire) || !settings().profile.empty();
 }
 
 void Profiler::enable(std::string path) {
   std::lock_guard lock(mutex_);
   path_override_ = std::move(path);
+  overridden_.store(!path_override_.empty(), std::memory_order_release);
 }
 
 void Profiler::register_exit_writer() {

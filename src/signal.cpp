@@ -104,11 +104,11 @@ void Signal::wait(std::uint64_t wanted, std::chrono::milliseconds timeout) const
 }
 
 void SignalSlot::poison(std::string_view reason) noexcept {
-  if (!poisoned.load(std::memory_order_acquire)) {  // the first reason is the root cause
-    const std::size_t n = std::min(reason.size(), sizeof poison_reason - 1);
-    std::memcpy(poison_reason, reason.data(), n);
-    poison_reason[n] = '\0';
-  }
+  // The first reason is the root cause; later poisoners leave it (and the flag) to the first.
+  if (poison_claim.exchange(1, std::memory_order_acq_rel) != 0) return;
+  const std::size_t n = std::min(reason.size(), sizeof poison_reason - 1);
+  std::memcpy(poison_reason, reason.data(), n);
+  poison_reason[n] = '\0';
   poisoned.store(1, std::memory_order_seq_cst);
   wake_seq.fetch_add(1, std::memory_order_seq_cst);
   futex_wake_all(&wake_seq);
@@ -146,6 +146,7 @@ Signal SignalPool::alloc(std::uint64_t initial) {
   s.value.store(initial);
   s.timestamp_ns.store(0);
   s.poisoned.store(0);
+  s.poison_claim.store(0);
   s.poison_reason[0] = '\0';
   live_ += 1;
   return Signal(this, index, s.generation.load());

@@ -96,8 +96,10 @@ std::vector<KernelInfo> c_signatures(std::string_view src) {
     std::string_view name = src.substr(begin, end - begin);
     std::size_t line = src.rfind('\n', begin);
     line = line == std::string_view::npos ? 0 : line + 1;
+    // The return type must be exactly `void` (not `void*`), on the line of the name.
     std::string_view before = src.substr(line, begin - line);
-    if (before.find("void") == std::string_view::npos || before.find("static") != std::string_view::npos) continue;
+    while (!before.empty() && std::isspace(static_cast<unsigned char>(before.back()))) before.remove_suffix(1);
+    if (!before.ends_with("void") || before.find("static") != std::string_view::npos) continue;
     std::size_t close = src.find(')', i);
     if (close == std::string_view::npos) break;
     std::size_t after = close + 1;
@@ -116,6 +118,10 @@ std::vector<KernelInfo> c_signatures(std::string_view src) {
         if (param.find('*') != std::string_view::npos) {
           if (sig.num_values) readable = false;  // a buffer after a value: not the kernel ABI
           ++sig.num_buffers;
+        } else if (param.find("float") != std::string_view::npos || param.find("double") != std::string_view::npos ||
+                   param.find("long") != std::string_view::npos || param.find("_Float16") != std::string_view::npos ||
+                   param.find("__bf16") != std::string_view::npos) {
+          readable = false;  // not an int32 value: not the kernel ABI
         } else {
           ++sig.num_values;
         }

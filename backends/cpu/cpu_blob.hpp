@@ -33,9 +33,11 @@ struct UnwrappedBlob {
 // Throws InvalidArgument for a blob with the magic and a malformed header.
 UnwrappedBlob unwrap_object(std::span<const std::byte> blob);
 
-// Signatures of the non-static function definitions in C source `void name(T* a, ..., int n)`:
-// parameters with a '*' are buffers, the others int32 values. Functions it cannot read (buffers
-// after values, variadics) are left out: their launches are not checked.
+// Signatures of the non-static function definitions in C source `void name(T* a, ..., int n)`
+// (return type `void` on the line of the name): parameters with a '*' are buffers, integer ones
+// int32 values. Functions it cannot read (buffers after values, float or 64-bit values, variadics)
+// are left out: their launches are not checked. A scanner, not a C parser: braces in comments or
+// strings at file scope confuse it (generated kernels have none).
 std::vector<KernelInfo> c_signatures(std::string_view source);
 
 }  // namespace tinydev::cpu

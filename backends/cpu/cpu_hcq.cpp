@@ -247,15 +247,15 @@ const std::shared_ptr<SignalPool>& CpuHCQDevice::shared_signal_pool() {
 }
 
 namespace {
-constexpr std::size_t kKernargsRing = 4u << 20;
+constexpr std::size_t kKernargsPage = 1u << 20;
 }
 
 CpuHCQDevice::CpuHCQDevice(const std::string& name, std::unique_ptr<Compiler> compiler, SourceLanguage language)
     : HCQCompiled(name, std::make_shared<CpuAllocator>(*this), std::move(compiler),
                   std::make_unique<ObjectRuntime>(name, this), language, shared_signal_pool()),
       compute_worker_(name, "COMPUTE"),
-      copy_worker_(name, "DMA"),
-      kernargs_ring_(new std::byte[kKernargsRing]) {
+      copy_worker_(name, "DMA") {
+  kernargs_pages_.emplace_back(new std::byte[kKernargsPage]);
   Profiler::global().on_flush([this] {
     try {
       synchronize();
@@ -267,17 +267,30 @@ CpuHCQDevice::CpuHCQDevice(const std::string& name, std::unique_ptr<Compiler> co
 
 CpuHCQDevice::~CpuHCQDevice() = default;
 
+// Note [Kernargs pages]
+// Kernel arguments are bump-allocated from 1 MiB pages. A full page is retired, tagged with the
+// timeline value taken last (work that may read it, submitted or about to be); it is reused once
+// the timeline has passed that tag, and a new page is made while none has. Nothing ever blocks
+// here, so allocating while holding an unsubmitted timeline value cannot deadlock.
 Kernargs CpuHCQDevice::alloc_kernargs(std::uint32_t num_buffers, std::uint32_t num_values) {
   const std::size_t bytes = (Kernargs::bytes_for(num_buffers, num_values) + 15) / 16 * 16;
-  if (bytes > kKernargsRing)
-    throw InvalidArgument(fmt::format("{}: {} bytes of kernel arguments do not fit the kernargs ring", name(), bytes));
+  if (bytes > kKernargsPage)
+    throw InvalidArgument(fmt::format("{}: {} bytes of kernel arguments do not fit a {}-byte kernargs page", name(),
+                                      bytes, kKernargsPage));
   std::lock_guard lock(submit_mutex());
-  if (kernargs_next_ + bytes > kKernargsRing) {
-    // Wrapping: everything submitted so far may still read the ring's start.
-    wait_timeline(timeline_value() - 1);
+  if (kernargs_next_ + bytes > kKernargsPage) {
+    kernargs_retired_.emplace_back(kernargs_page_, timeline_value() - 1);
+    const std::uint64_t done = timeline_signal().slot().value.load(std::memory_order_acquire);
+    if (kernargs_retired_.front().second <= done) {
+      kernargs_page_ = kernargs_retired_.front().first;
+      kernargs_retired_.pop_front();
+    } else {
+      kernargs_pages_.emplace_back(new std::byte[kKernargsPage]);
+      kernargs_page_ = kernargs_pages_.size() - 1;
+    }
     kernargs_next_ = 0;
   }
-  Kernargs k{kernargs_ring_.get() + kernargs_next_, num_buffers, num_values};
+  Kernargs k{kernargs_pages_[kernargs_page_].get() + kernargs_next_, num_buffers, num_values};
   kernargs_next_ += bytes;
   return k;
 }
@@ -302,6 +315,10 @@ std::map<std::string, std::string> CpuHCQDevice::properties() const {
   return props;
 }
 
-void CpuHCQDevice::on_timeline_wrapped() { cpu_allocator().reset_staging_timelines(); }
+void CpuHCQDevice::on_timeline_wrapped() {
+  // The wrap happens with nothing in flight: every retired page is free again.
+  cpu_allocator().reset_staging_timelines();
+  for (auto& [page, tag] : kernargs_retired_) tag = 0;
+}
 
 }  // namespace tinydev::cpu

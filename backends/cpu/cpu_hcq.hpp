@@ -136,7 +136,8 @@ class CpuHCQDevice : public HCQCompiled<CpuComputeQueue, CpuCopyQueue>, public C
   CpuQueueWorker& copy_worker() noexcept { return copy_worker_; }
   CpuAllocator& cpu_allocator() noexcept { return static_cast<CpuAllocator&>(allocator()); }
 
-  // Kernel-argument space for one launch, from a ring reused once the timeline passed it.
+  // Kernel-argument space for one launch (Note [Kernargs pages]): valid until the work submitted
+  // with it finished. For arguments reused across many submissions, use allocate_kernargs_block.
   Kernargs alloc_kernargs(std::uint32_t num_buffers, std::uint32_t num_values);
   // Host memory the queues read kernel arguments from, owned by the caller (graphs).
   std::shared_ptr<std::byte[]> allocate_kernargs_block(std::size_t bytes) const;
@@ -151,8 +152,9 @@ class CpuHCQDevice : public HCQCompiled<CpuComputeQueue, CpuCopyQueue>, public C
  private:
   CpuQueueWorker compute_worker_;
   CpuQueueWorker copy_worker_;
-  std::unique_ptr<std::byte[]> kernargs_ring_;
-  std::size_t kernargs_next_ = 0;
+  std::vector<std::unique_ptr<std::byte[]>> kernargs_pages_;
+  std::deque<std::pair<std::size_t, std::uint64_t>> kernargs_retired_;  // (page, timeline value)
+  std::size_t kernargs_page_ = 0, kernargs_next_ = 0;
 };
 
 }  // namespace tinydev::cpu

@@ -1,5 +1,6 @@
 // The README's example: open a device by name, compile a kernel through the cache, run it on
 // random data and check the result. Built against an installed tinydev by scripts/test.
+#include <tinydev/cpu/cpu_hcq.hpp>  // the CPU devices' HCQ types (queues, CpuProgram)
 #include <tinydev/tinydev.hpp>
 
 #include <cstdio>
@@ -47,6 +48,26 @@ int main() {
 
   int wrong = 0;
   for (int i = 0; i < n; ++i) wrong += out[i] != a[i] + b[i];
+
+  // The same launch through the device's hardware command queue: out = out + b, ordered on the
+  // device's timeline, then a synchronize.
+  auto& hcq = dynamic_cast<cpu::CpuHCQDevice&>(dev);
+  auto& program = dynamic_cast<cpu::CpuProgram&>(*add);
+  Kernargs kernargs = hcq.alloc_kernargs(3, 1);
+  const Allocation again[] = {bo.allocation(), bo.allocation(), bb.allocation()};
+  fill_kernargs(program, kernargs, again, vals);
+  {
+    std::lock_guard lock(hcq.submit_mutex());
+    const std::uint64_t value = hcq.next_timeline_value();
+    hcq.compute_queue()
+        .wait(hcq.timeline_signal(), value - 1)
+        .exec(program, kernargs, {1, 1, 1}, {1, 1, 1})
+        .signal(hcq.timeline_signal(), value)
+        .submit(hcq);
+  }
+  hcq.synchronize();
+  bo.copyout(std::span<float>(out));
+  for (int i = 0; i < n; ++i) wrong += out[i] != (a[i] + b[i]) + b[i];
   std::printf("consumer: %d floats added on %s in %.3f ms, %d wrong; backends in this build:", n,
               dev.name().c_str(), seconds * 1e3, wrong);
   for (const auto& name : Device.backends()) std::printf(" %s", name.c_str());

@@ -17,7 +17,7 @@ namespace tinydev {
 struct GlobalCounters {
   // Bytes held by allocated base Buffers (DISK buffers excluded, as in the seed).
   static inline std::atomic<std::int64_t> mem_used{0};
-  // Kernel launches through Program calls.
+  // Kernel launches: direct Program calls and execs run by device queues.
   static inline std::atomic<std::int64_t> kernel_count{0};
   // Seconds spent in kernels that were launched with wait=true.
   static inline std::atomic<double> time_sum{0.0};

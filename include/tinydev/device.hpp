@@ -1,8 +1,8 @@
 // tinydev/device.hpp: Compiled, the bundle a device name resolves to.
 //
 // Compiled is the one runtime-polymorphic boundary of tinydev: the registry returns it, and below
-// it the hot paths are concrete. It owns its compiler and runtime and shares its allocator (the
-// CPU backends share one host allocator). Devices live until the process exits.
+// it the hot paths are concrete. It owns its compiler and runtime and holds its allocator by
+// shared pointer (Buffers keep it alive too). Devices live until the process exits.
 //
 // Thread safety: all members may be called concurrently.
 #pragma once

@@ -392,8 +392,13 @@ class HCQProfileScope {
     else submit_timestamp(start_);
   }
   ~HCQProfileScope() noexcept(false) {
-    // While unwinding an error the bracketed work may not have been queued: record nothing.
-    if (!enabled_ || std::uncaught_exceptions() > exceptions_) return;
+    if (!enabled_) return;
+    if (std::uncaught_exceptions() > exceptions_) {
+      // Unwinding an error: the bracketed work may not have been queued. Record nothing.
+      device_.free_signal(start_);
+      device_.free_signal(end_);
+      return;
+    }
     if (queue_) queue_->timestamp(end_);
     else submit_timestamp(end_);
     device_.add_profile_record(ProfileRecord{start_, end_, std::move(name_), is_copy_});
@@ -561,7 +566,7 @@ class HCQAllocator : public LRUAllocator {
  private:
   void check_fits(std::size_t bytes, const Allocation& a, std::string_view what) const {
     if (bytes > a.size)
-      throw InvalidArgument(fmt::format("{} of {} bytes into an allocation of {} bytes: too large", what, bytes, a.size));
+      throw InvalidArgument(fmt::format("{} of {} bytes with an allocation of {} bytes: too large", what, bytes, a.size));
   }
   void ensure_ring() {
     if (!ring_.empty()) return;

@@ -42,17 +42,44 @@ class HCQGraph final : public Graph {
       if (const auto* k = std::get_if<GraphKernel>(&node))
         kernarg_bytes += (Kernargs::bytes_for(k->buffers.size(), k->values.size()) + 15) / 16 * 16;
     }
+    for (std::size_t i = 0; i < nodes_.size(); ++i) {
+      const auto* k = std::get_if<GraphKernel>(&nodes_[i]);
+      const auto* program = k ? dynamic_cast<const ProgramT*>(k->program.get()) : nullptr;
+      if (k && (!program || program->device() != device.name()))
+        throw InvalidArgument(fmt::format("graph node {}: kernel '{}' was not loaded by {}'s runtime: load it "
+                                          "with Device[\"{}\"].load_kernel",
+                                          i, k->program->name(), device.name(), device.name()));
+    }
     kernargs_block_ = device.allocate_kernargs_block(std::max<std::size_t>(kernarg_bytes, 16));
     signal_ = device.alloc_signal(0);
+    try {
+      record(offsets);
+    } catch (...) {
+      device.free_signal(signal_);
+      throw;
+    }
+  }
+
+  ~HCQGraph() override {
+    try {
+      if (replays_) signal_.wait(last_final_);  // queued work reads our kernargs and signal
+    } catch (...) {
+    }
+    try {
+      device_.free_signal(signal_);
+    } catch (...) {
+    }
+  }
+
+ private:
+  void record(const std::vector<std::size_t>& offsets) {
+    Device& device = device_;
     std::lock_guard lock(device.submit_mutex());
     compute_.wait(device.timeline_signal(), 0).signal(signal_, 0);
     for (std::size_t i = 0; i < nodes_.size(); ++i) {
       NodeCommands& cmds = commands_.emplace_back();
       if (auto* k = std::get_if<GraphKernel>(&nodes_[i])) {
-        const auto* program = dynamic_cast<const ProgramT*>(k->program.get());
-        if (!program)
-          throw InvalidArgument(fmt::format("graph node {}: kernel '{}' was not loaded by {}'s runtime", i,
-                                            k->program->name(), device.name()));
+        const auto* program = static_cast<const ProgramT*>(k->program.get());  // checked above
         Kernargs args{kernargs_block_.get() + offsets[i], static_cast<std::uint32_t>(k->buffers.size()),
                       static_cast<std::uint32_t>(k->values.size())};
         kernargs_.push_back(args);
@@ -92,14 +119,7 @@ class HCQGraph final : public Graph {
     compute_.signal(device.timeline_signal(), 0);
   }
 
-  ~HCQGraph() override {
-    try {
-      if (replays_) signal_.wait(last_final_);  // queued work reads our kernargs and signal
-      device_.free_signal(signal_);
-    } catch (...) {
-    }
-  }
-
+ public:
   std::optional<double> replay(std::span<const Allocation> inputs, std::span<const std::int32_t> variables,
                                bool wait) override {
     check_replay(inputs, variables);

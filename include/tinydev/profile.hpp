@@ -8,6 +8,7 @@
 // Thread safety: every member may be called from any thread.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <mutex>
@@ -47,6 +48,7 @@ class Profiler {
   Profiler();
   void register_exit_writer();
   mutable std::mutex mutex_;
+  std::atomic<bool> overridden_{false};  // enabled() is on hot paths: no lock
   std::string path_override_;
   bool exit_writer_registered_ = false;
   std::vector<ProfileEvent> events_;

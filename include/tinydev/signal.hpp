@@ -36,7 +36,8 @@ struct SignalSlot {
   std::atomic<std::uint32_t> waiters{0};     // sleeping host waiters (skip the wake syscall at 0)
   std::atomic<std::uint32_t> generation{0};  // bumped by free: stale handles are detected
   std::atomic<std::uint32_t> poisoned{0};
-  char poison_reason[200] = {};              // written before `poisoned` is set
+  std::atomic<std::uint32_t> poison_claim{0};  // the first poisoner writes the reason
+  char poison_reason[200] = {};              // written by the claimant before `poisoned` is set
 
   // Stores a value and wakes sleeping waiters (what a device's `signal` command does).
   void store(std::uint64_t v) noexcept;
@@ -63,7 +64,7 @@ class Signal {
   bool valid() const noexcept { return pool_ != nullptr; }
   SignalPool* pool() const noexcept { return pool_; }
   std::uint32_t index() const noexcept { return index_; }
-  std::string describe() const;  // "LLVM signal #3"
+  std::string describe() const;  // "CPU signal #3"
   // The slot, after checking that this handle is still live. For queue recording.
   SignalSlot& slot() const;
 

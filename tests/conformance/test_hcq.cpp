@@ -350,3 +350,29 @@ TEST_CASE("hcq: direct program calls run after queued work", "[hcq]") {
     CHECK(got == 2);
   });
 }
+
+TEST_CASE("hcq: kernargs allocation never blocks, even holding an unsubmitted timeline value", "[hcq]") {
+  for_each_hcq_device([](CpuHCQDevice& dev) {
+    auto ping = load_cpu(dev, "ping", inc_kernel("ping"));
+    Buffer a(dev.name(), 1, dtypes::int32);
+    const std::int32_t zero = 0;
+    a.allocate().copyin(std::span<const std::int32_t>(&zero, 1));
+    const Allocation aa[] = {a.allocation(), a.allocation()};
+    std::lock_guard lock(dev.submit_mutex());
+    const std::uint64_t v = dev.next_timeline_value();  // reserved, not yet submitted
+    auto q = dev.compute_queue();
+    q.wait(dev.timeline_signal(), v - 1);
+    const auto t0 = std::chrono::steady_clock::now();
+    Kernargs first = dev.alloc_kernargs(2, 0);
+    fill_kernargs(*ping, first, aa, {});
+    q.exec(*ping, first, {1, 1, 1}, {1, 1, 1});
+    for (int i = 0; i < 200000; ++i) dev.alloc_kernargs(2, 0);  // ~3 MiB: several pages
+    CHECK(std::chrono::steady_clock::now() - t0 < 5s);
+    CHECK(first.buffer(0) == a.allocation().va_addr);  // still intact: its page is not reused yet
+    q.signal(dev.timeline_signal(), v).submit(dev);
+    dev.synchronize();
+    std::int32_t got = 0;
+    a.copyout(std::span<std::int32_t>(&got, 1));
+    CHECK(got == 1);
+  });
+}

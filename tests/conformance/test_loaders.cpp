@@ -95,3 +95,23 @@ TEST_CASE("loaders: the fast loader rejects garbage without crashing", "[loaders
   }
   CHECK_FALSE(cpu::elf_functions(Blob(64, std::byte{0})).has_value());
 }
+
+TEST_CASE("loaders: C kernel signatures are read from the source", "[loaders]") {
+  auto sig = [](std::string_view src, std::string_view name) -> std::optional<KernelSignature> {
+    for (const auto& k : cpu::c_signatures(src))
+      if (k.name == name) return k.signature;
+    return std::nullopt;
+  };
+  CHECK(sig("void add(float* restrict o, const float* restrict a, int n) { o[0] = a[0]; }", "add") ==
+        KernelSignature{2, 1});
+  CHECK(sig("void none(void) {}", "none") == KernelSignature{0, 0});
+  CHECK(sig("void grid(int* o, int k, int idx) { o[idx] = k; }", "grid") == KernelSignature{1, 2});
+  CHECK_FALSE(sig("void* not_a_kernel(int* a) { return a; }", "not_a_kernel"));
+  CHECK_FALSE(sig("static void helper(int* a) {}", "helper"));
+  CHECK_FALSE(sig("void f(float* a, float s) { a[0] = s; }", "f"));  // a float value: not the ABI
+  CHECK_FALSE(sig("void g(int n, int* a) {}", "g"));                 // a buffer after a value
+  CHECK_FALSE(sig("void decl(int* a);", "decl"));                     // a declaration, no body
+  const std::string two = "void a1(int* x) { { } }\nvoid a2(int* x, int y) {}\n";
+  CHECK(sig(two, "a1") == KernelSignature{1, 0});
+  CHECK(sig(two, "a2") == KernelSignature{1, 1});
+}
