@@ -299,11 +299,7 @@ void bench_signals() {
   std::atomic<std::uint64_t> raw[2] = {0, 0};
   const double base = ping_pong_p50_ns([&](int w, std::uint64_t v) { raw[w].store(v, std::memory_order_release); },
                                        [&](int w, std::uint64_t v) {
-                                         while (raw[w].load(std::memory_order_acquire) < v) {
-#if defined(__x86_64__)
-                                           __builtin_ia32_pause();
-#endif
-                                         }
+                                         while (raw[w].load(std::memory_order_acquire) < v) detail::cpu_relax();
                                        },
                                        rounds);
   row("cross-thread signal -> wake latency, p50", fmt_ns(lib), fmt_ns(base), fmt::format("{:.2f}x", lib / base),

@@ -26,13 +26,6 @@ void futex_wake_all(std::atomic<std::uint32_t>* word) {
   ::syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(word), FUTEX_WAKE_PRIVATE, INT_MAX, nullptr, nullptr, 0);
 }
 
-inline void cpu_relax() {
-#if defined(__x86_64__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield");
-#endif
-}
 
 }  // namespace
 
@@ -64,9 +57,12 @@ void wait_signal_slot(SignalSlot& slot, std::uint64_t wanted, std::chrono::nanos
   for (int spin = 0; spin < 4000; ++spin) {
     if (slot.value.load(std::memory_order_acquire) >= wanted) return;
     if (slot.poisoned.load(std::memory_order_acquire)) throw poisoned();
-    cpu_relax();
+    detail::cpu_relax();
   }
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  const auto now0 = std::chrono::steady_clock::now();
+  const auto deadline = timeout >= std::chrono::steady_clock::time_point::max() - now0
+                            ? std::chrono::steady_clock::time_point::max()
+                            : now0 + timeout;
   while (true) {
     slot.waiters.fetch_add(1, std::memory_order_seq_cst);
     const std::uint32_t seq = slot.wake_seq.load(std::memory_order_seq_cst);
@@ -100,7 +96,9 @@ void Signal::set(std::uint64_t v) const { slot().store(v); }
 std::uint64_t Signal::timestamp() const { return slot().timestamp_ns.load(std::memory_order_acquire); }
 
 void Signal::wait(std::uint64_t wanted, std::chrono::milliseconds timeout) const {
-  wait_signal_slot(slot(), wanted, timeout, this);
+  // milliseconds::max() ("forever") does not fit in nanoseconds: clamp instead of overflowing.
+  const auto limit = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::nanoseconds::max() / 4);
+  wait_signal_slot(slot(), wanted, std::min(timeout, limit), this);
 }
 
 void SignalSlot::poison(std::string_view reason) noexcept {
@@ -152,7 +150,9 @@ Signal SignalPool::alloc(std::uint64_t initial) {
   return Signal(this, index, s.generation.load());
 }
 
-void SignalPool::free(const Signal& signal) {
+void SignalPool::free(const Signal& signal) { recycle(retire(signal)); }
+
+std::uint32_t SignalPool::retire(const Signal& signal) {
   std::lock_guard lock(mutex_);
   if (signal.pool_ != this || signal.index_ >= capacity_.load())
     throw InvalidArgument(fmt::format("cannot free {} into {}'s signal pool: it belongs elsewhere",
@@ -161,8 +161,13 @@ void SignalPool::free(const Signal& signal) {
   if (s.generation.load() != signal.generation_)
     throw InvalidArgument(fmt::format("{} was freed twice", signal.describe()));
   s.generation.fetch_add(1);
-  free_.push_back(signal.index_);
   live_ -= 1;
+  return signal.index_;
+}
+
+void SignalPool::recycle(std::uint32_t index) {
+  std::lock_guard lock(mutex_);
+  free_.push_back(index);
 }
 
 std::size_t SignalPool::live() const {

@@ -65,13 +65,6 @@ void copy_command(std::byte* dest, const std::byte* src, std::size_t size) {
   std::memmove(dest, src, size);
 }
 
-inline void cpu_relax() {
-#if defined(__x86_64__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield");
-#endif
-}
 
 }  // namespace
 
@@ -143,7 +136,7 @@ void CpuQueueWorker::run() {
   std::uint64_t taken = 0;
   while (true) {
     // A pipelined producer submits again within microseconds: spin a little before sleeping.
-    for (int spin = 0; spin < 2000 && submitted_.load(std::memory_order_acquire) == taken; ++spin) cpu_relax();
+    for (int spin = 0; spin < 2000 && submitted_.load(std::memory_order_acquire) == taken; ++spin) detail::cpu_relax();
     std::shared_ptr<const std::vector<CpuCommand>> next;
     {
       std::unique_lock lock(mutex_);
@@ -237,7 +230,10 @@ Allocation CpuAllocator::alloc_impl(std::size_t size, const BufferOptions&) {
   return Allocation{reinterpret_cast<std::uintptr_t>(p), size, nullptr};
 }
 
-void CpuAllocator::free_impl(Allocation allocation, std::size_t, const BufferOptions&) { std::free(allocation.host_ptr()); }
+void CpuAllocator::free_impl(Allocation allocation, std::size_t, const BufferOptions&) {
+  wait_before_free();
+  std::free(allocation.host_ptr());
+}
 
 // ---- the device -----------------------------------------------------------------------------------
 
@@ -269,9 +265,10 @@ CpuHCQDevice::~CpuHCQDevice() = default;
 
 // Note [Kernargs pages]
 // Kernel arguments are bump-allocated from 1 MiB pages. A full page is retired, tagged with the
-// timeline value taken last (work that may read it, submitted or about to be); it is reused once
-// the timeline has passed that tag, and a new page is made while none has. Nothing ever blocks
-// here, so allocating while holding an unsubmitted timeline value cannot deadlock.
+// next timeline value to be taken, so it covers work submitted already and work whose value is
+// taken right after (take it in the same submit_mutex section as the allocation); the page is
+// reused once the timeline has passed that tag, and a new page is made while none has. Nothing
+// blocks here, so allocating while holding an unsubmitted timeline value cannot deadlock.
 Kernargs CpuHCQDevice::alloc_kernargs(std::uint32_t num_buffers, std::uint32_t num_values) {
   const std::size_t bytes = (Kernargs::bytes_for(num_buffers, num_values) + 15) / 16 * 16;
   if (bytes > kKernargsPage)
@@ -279,15 +276,18 @@ Kernargs CpuHCQDevice::alloc_kernargs(std::uint32_t num_buffers, std::uint32_t n
                                       bytes, kKernargsPage));
   std::lock_guard lock(submit_mutex());
   if (kernargs_next_ + bytes > kKernargsPage) {
-    kernargs_retired_.emplace_back(kernargs_page_, timeline_value() - 1);
     const std::uint64_t done = timeline_signal().slot().value.load(std::memory_order_acquire);
-    if (kernargs_retired_.front().second <= done) {
-      kernargs_page_ = kernargs_retired_.front().first;
+    std::size_t next;
+    if (!kernargs_retired_.empty() && kernargs_retired_.front().second <= done) {
+      next = kernargs_retired_.front().first;
       kernargs_retired_.pop_front();
     } else {
       kernargs_pages_.emplace_back(new std::byte[kKernargsPage]);
-      kernargs_page_ = kernargs_pages_.size() - 1;
+      next = kernargs_pages_.size() - 1;
     }
+    // Tagged with the next value to be taken: covers work whose value is taken after this call.
+    kernargs_retired_.emplace_back(kernargs_page_, timeline_value());
+    kernargs_page_ = next;
     kernargs_next_ = 0;
   }
   Kernargs k{kernargs_pages_[kernargs_page_].get() + kernargs_next_, num_buffers, num_values};

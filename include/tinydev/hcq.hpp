@@ -166,7 +166,8 @@ class HWCommandQueue {
   Command* command_words(std::size_t cmd) { return mutable_commands().data() + offsets_[cmd]; }
   std::vector<Command>& mutable_commands() {
     if (q_.use_count() > 1) q_ = std::make_shared<std::vector<Command>>(*q_);
-    return *q_;
+    else std::atomic_thread_fence(std::memory_order_acquire);  // the worker's release of its snapshot
+    return *q_;                                                   // happens before our writes
   }
   std::shared_ptr<const std::vector<Command>> snapshot() const { return q_; }
 
@@ -281,8 +282,10 @@ class HCQCompiled : public Compiled {
   // timeline has passed everything submitted before the free. The handle is invalid at once.
   void free_signal(const Signal& signal) {
     std::lock_guard lock(submit_mutex_);
-    signal.slot();  // a freed or foreign handle is an error now, not later
-    pending_frees_.emplace_back(signal, timeline_value() - 1);
+    if (signal.pool() != pool_.get())
+      throw InvalidArgument(fmt::format("{}: cannot free {}: it was allocated elsewhere", name(), signal.describe()));
+    const std::uint32_t index = pool_->retire(signal);  // the handle is dead now; a second free throws
+    pending_frees_.emplace_back(index, timeline_value() - 1);
     reclaim_signals();
   }
 
@@ -296,13 +299,22 @@ class HCQCompiled : public Compiled {
 
   // Blocks until the timeline reached `value`. Timeout names the device.
   // Safe without the submit mutex (the current timeline slot is published atomically).
+  // A wrap in the meantime (Note [Timeline wrap]) means everything before it finished: done too.
   void wait_timeline(std::uint64_t value, std::chrono::milliseconds timeout = std::chrono::seconds(30)) const {
+    const std::uint64_t wraps = wraps_.load(std::memory_order_acquire);
     SignalSlot* slot = timeline_slot_.load(std::memory_order_acquire);
     if (slot->value.load(std::memory_order_acquire) >= value) return;
-    try {
-      wait_signal_slot(*slot, value, timeout, nullptr);
-    } catch (const Timeout& e) {
-      throw Timeout(fmt::format("{}: waiting for timeline value {} timed out: {}", name(), value, e.what()));
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    while (true) {
+      try {
+        wait_signal_slot(*slot, value, std::chrono::milliseconds(50), nullptr);
+        return;
+      } catch (const Timeout& e) {
+        if (wraps_.load(std::memory_order_acquire) != wraps) return;
+        if (std::chrono::steady_clock::now() >= deadline)
+          throw Timeout(fmt::format("{}: waiting for timeline value {} timed out after {} ms: it is at {}", name(),
+                                    value, timeout.count(), slot->value.load()));
+      }
     }
   }
   // Whether everything submitted so far has finished. Lock-free.
@@ -317,7 +329,8 @@ class HCQCompiled : public Compiled {
     timeline_signal_.set(0);
     timeline_value_.store(1, std::memory_order_release);
     timeline_slot_.store(&timeline_signal_.slot(), std::memory_order_release);
-    for (auto& [signal, after] : pending_frees_) after = 0;
+    for (auto& entry : pending_frees_) entry.second = 0;
+    wraps_.fetch_add(1, std::memory_order_release);
     on_timeline_wrapped();
   }
 
@@ -359,12 +372,10 @@ class HCQCompiled : public Compiled {
   void reclaim_signals() {
     std::lock_guard lock(submit_mutex_);
     const std::uint64_t done = timeline_signal_.slot().value.load(std::memory_order_acquire);
-    auto it = std::remove_if(pending_frees_.begin(), pending_frees_.end(), [&](auto& entry) {
-      if (entry.second > done) return false;
-      pool_->free(entry.first);
-      return true;
-    });
-    pending_frees_.erase(it, pending_frees_.end());
+    auto ready = std::stable_partition(pending_frees_.begin(), pending_frees_.end(),
+                                       [&](const auto& entry) { return entry.second > done; });
+    for (auto it = ready; it != pending_frees_.end(); ++it) pool_->recycle(it->first);
+    pending_frees_.erase(ready, pending_frees_.end());
   }
 
  private:
@@ -373,7 +384,8 @@ class HCQCompiled : public Compiled {
   Signal timeline_signal_, shadow_timeline_signal_;
   std::atomic<SignalSlot*> timeline_slot_;
   std::atomic<std::uint64_t> timeline_value_{1};
-  std::vector<std::pair<Signal, std::uint64_t>> pending_frees_;
+  std::vector<std::pair<std::uint32_t, std::uint64_t>> pending_frees_;  // (slot, timeline value)
+  std::atomic<std::uint64_t> wraps_{0};
   std::vector<ProfileRecord> profile_records_;
 };
 
@@ -459,9 +471,7 @@ class HCQAllocator : public LRUAllocator {
     check_fits(src.size(), dest, "copyin");
     std::lock_guard lock(device_.submit_mutex());
     if (host_visible_ && !force_staging_ && device_.idle()) {
-      const std::uint64_t start = device_.profiling() ? Profiler::now_ns() : 0;
-      host_copy(dest.host_ptr<std::byte>(), src.data(), src.size());
-      if (start) Profiler::global().add({fmt::format("CPU -> {}", device_.name()), start, Profiler::now_ns(), device_.name(), "DMA"});
+      direct_copy(dest.host_ptr<std::byte>(), src.data(), src.size(), "CPU", device_.name());
       return;
     }
     ensure_ring();
@@ -486,9 +496,7 @@ class HCQAllocator : public LRUAllocator {
     std::lock_guard lock(device_.submit_mutex());
     device_.synchronize();
     if (host_visible_ && !force_staging_) {
-      const std::uint64_t start = device_.profiling() ? Profiler::now_ns() : 0;
-      host_copy(dest.data(), src.host_ptr<std::byte>(), dest.size());
-      if (start) Profiler::global().add({fmt::format("{} -> CPU", device_.name()), start, Profiler::now_ns(), device_.name(), "DMA"});
+      direct_copy(dest.data(), src.host_ptr<std::byte>(), dest.size(), device_.name(), "CPU");
       return;
     }
     ensure_ring();
@@ -556,6 +564,11 @@ class HCQAllocator : public LRUAllocator {
  protected:
   // Copies between host pointers / host-visible memory.
   virtual void host_copy(std::byte* dest, const std::byte* src, std::size_t size) { std::memcpy(dest, src, size); }
+  // Backends call this in free_impl before memory really goes: a staged copy or a queued kernel
+  // submitted earlier may still write it (the seed's allocators synchronize in _free likewise).
+  void wait_before_free() const {
+    if (!device_.idle()) device_.wait_timeline(device_.timeline_value() - 1);
+  }
   // Derived destructors must call this before their own memory goes (see LRUAllocator).
   void release_ring() {
     for (Allocation& b : ring_) free_impl(b, batch_size_, BufferOptions{.host = true});
@@ -564,14 +577,27 @@ class HCQAllocator : public LRUAllocator {
   Device& device_;
 
  private:
+  // A copy on the caller's thread (host-visible memory, nothing in flight), traced like a queue's.
+  void direct_copy(std::byte* dest, const std::byte* src, std::size_t size, std::string_view from, std::string_view to) {
+    const std::uint64_t start = device_.profiling() ? Profiler::now_ns() : 0;
+    host_copy(dest, src, size);
+    if (start) Profiler::global().add({fmt::format("{} -> {}", from, to), start, Profiler::now_ns(), device_.name(), "DMA"});
+  }
   void check_fits(std::size_t bytes, const Allocation& a, std::string_view what) const {
     if (bytes > a.size)
       throw InvalidArgument(fmt::format("{} of {} bytes with an allocation of {} bytes: too large", what, bytes, a.size));
   }
   void ensure_ring() {
     if (!ring_.empty()) return;
-    for (std::size_t i = 0; i < batch_count_; ++i) ring_.push_back(alloc_impl(batch_size_, BufferOptions{.host = true}));
+    std::vector<Allocation> ring;
+    try {
+      for (std::size_t i = 0; i < batch_count_; ++i) ring.push_back(alloc_impl(batch_size_, BufferOptions{.host = true}));
+    } catch (...) {
+      for (Allocation& b : ring) free_impl(b, batch_size_, BufferOptions{.host = true});
+      throw;
+    }
     ring_timeline_.assign(batch_count_, 0);
+    ring_ = std::move(ring);
   }
 
   std::size_t batch_size_, batch_count_;

@@ -61,9 +61,17 @@ class HCQGraph final : public Graph {
   }
 
   ~HCQGraph() override {
-    try {
-      if (replays_) signal_.wait(last_final_);  // queued work reads our kernargs and signal
-    } catch (...) {
+    // Queued work reads our kernel arguments and programs: wait for it however long it takes;
+    // only a poisoned signal (that work will never run) ends the wait early.
+    while (replays_) {
+      try {
+        signal_.wait(last_final_);
+        break;
+      } catch (const Timeout&) {
+        continue;
+      } catch (...) {
+        break;
+      }
     }
     try {
       device_.free_signal(signal_);

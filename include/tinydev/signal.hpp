@@ -92,6 +92,10 @@ class SignalPool {
   // Invalidates the handle at once and makes the slot reusable. Devices call this only once their
   // timeline has passed every queued use (HCQ devices' free_signal defers it for you).
   void free(const Signal& signal);
+  // The two halves of free, for deferred reuse: retire invalidates the handle now (a second free
+  // or any later use is an error) and returns the slot index; recycle makes it reusable later.
+  std::uint32_t retire(const Signal& signal);
+  void recycle(std::uint32_t index);
   const std::string& name() const noexcept { return name_; }
   std::size_t live() const;
 
@@ -111,6 +115,17 @@ class SignalPool {
   std::size_t live_ = 0;
   std::atomic<std::size_t> capacity_{0};
 };
+
+namespace detail {
+// One spin-wait pause (x86 `pause`, AArch64 `yield`): for spin loops on signal memory.
+inline void cpu_relax() noexcept {
+#if defined(__x86_64__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+}  // namespace detail
 
 // Waits for slot->value >= wanted (spin, then futex sleep). `describe` names the signal in
 // errors. Used by Signal::wait and by device queues that wait on the host side.

@@ -376,3 +376,75 @@ TEST_CASE("hcq: kernargs allocation never blocks, even holding an unsubmitted ti
     CHECK(got == 1);
   });
 }
+
+TEST_CASE("hcq: memory freed while a staged copy is in flight is only freed after it", "[hcq]") {
+  for_each_hcq_device([](CpuHCQDevice& dev) {
+    ScopedOverride no_cache("TINYDEV_LRU", "0");  // frees are real
+    Signal gate = dev.alloc_signal(0);
+    {
+      std::lock_guard lock(dev.submit_mutex());
+      const std::uint64_t v = dev.next_timeline_value();
+      dev.compute_queue().wait(dev.timeline_signal(), v - 1).wait(gate, 1).signal(dev.timeline_signal(), v).submit(dev);
+    }
+    std::thread opener([&] {
+      std::this_thread::sleep_for(30ms);
+      gate.set(1);
+    });
+    const auto data = random_bytes((5u << 20) + 7, fresh_seed());
+    {
+      Buffer tmp(dev.name(), data.size(), dtypes::uint8);
+      tmp.allocate().copyin(data);  // the device is busy: staged, queued behind the gate
+    }  // freed here: must wait for the queued copy, or the worker writes freed memory (ASan)
+    opener.join();
+    dev.synchronize();
+    Buffer check(dev.name(), data.size(), dtypes::uint8);
+    check.allocate().copyin(data);
+    std::vector<std::byte> back(data.size());
+    check.copyout(back);
+    CHECK(back == data);
+  });
+}
+
+TEST_CASE("hcq: kernargs allocated before the timeline value is taken stay intact", "[hcq]") {
+  for_each_hcq_device([](CpuHCQDevice& dev) {
+    auto ping = load_cpu(dev, "ping", inc_kernel("ping"));
+    Buffer a(dev.name(), 1, dtypes::int32);
+    const std::int32_t zero = 0;
+    a.allocate().copyin(std::span<const std::int32_t>(&zero, 1));
+    const Allocation aa[] = {a.allocation(), a.allocation()};
+    dev.synchronize();  // idle: the case where a just-retired page could look free
+    std::lock_guard lock(dev.submit_mutex());
+    Kernargs first = dev.alloc_kernargs(2, 0);
+    fill_kernargs(*ping, first, aa, {});
+    for (int i = 0; i < 200000; ++i) dev.alloc_kernargs(2, 0);
+    CHECK(first.buffer(0) == a.allocation().va_addr);
+    const std::uint64_t v = dev.next_timeline_value();
+    dev.compute_queue().wait(dev.timeline_signal(), v - 1).exec(*ping, first, {1, 1, 1}, {1, 1, 1})
+        .signal(dev.timeline_signal(), v).submit(dev);
+    dev.synchronize();
+    std::int32_t got = 0;
+    a.copyout(std::span<std::int32_t>(&got, 1));
+    CHECK(got == 1);
+  });
+}
+
+TEST_CASE("hcq: a signal freed while work is in flight is dead at once; freeing twice is an error", "[hcq]") {
+  for_each_hcq_device([](CpuHCQDevice& dev) {
+    Signal gate = dev.alloc_signal(0), s = dev.alloc_signal(5);
+    {
+      std::lock_guard lock(dev.submit_mutex());
+      const std::uint64_t v = dev.next_timeline_value();
+      dev.compute_queue().wait(dev.timeline_signal(), v - 1).wait(gate, 1).signal(dev.timeline_signal(), v).submit(dev);
+    }
+    dev.free_signal(s);
+    CHECK_THROWS_WITH(s.value(), Catch::Contains("was freed"));
+    CHECK_THROWS_WITH(dev.free_signal(s), Catch::Contains("freed twice"));
+    gate.set(1);
+    dev.synchronize();
+    Signal fresh = dev.alloc_signal(9);  // the device keeps working
+    CHECK(fresh.value() == 9);
+    fresh.wait(9, std::chrono::milliseconds::max());  // "forever" does not overflow
+    dev.free_signal(fresh);
+    dev.free_signal(gate);
+  });
+}
