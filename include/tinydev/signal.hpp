@@ -28,15 +28,19 @@
 namespace tinydev {
 
 // One signal's memory. Devices write `value` and `timestamp_ns` through the pointer; everything
-// else is the host's bookkeeping.
-struct SignalSlot {
+// else is the host's bookkeeping. Cache-line aligned, so two signals never share a line (a
+// waiter polling one must not be disturbed by stores to another).
+struct alignas(64) SignalSlot {
+  // First cache line: what a store and a spinning waiter touch, and nothing else.
   std::atomic<std::uint64_t> value{0};
-  std::atomic<std::uint64_t> timestamp_ns{0};
-  std::atomic<std::uint32_t> wake_seq{0};    // futex word: bumped on every store
+  std::atomic<std::uint32_t> wake_seq{0};    // futex word: bumped when a store wakes sleepers
   std::atomic<std::uint32_t> waiters{0};     // sleeping host waiters (skip the wake syscall at 0)
-  std::atomic<std::uint32_t> generation{0};  // bumped by free: stale handles are detected
   std::atomic<std::uint32_t> poisoned{0};
+  // Second line: cold fields. A handle check reads `generation` on every use; keeping it off the
+  // hot line means that check never pulls the line a waiter on another core is polling.
+  alignas(64) std::atomic<std::uint32_t> generation{0};  // bumped by free: stale handles are detected
   std::atomic<std::uint32_t> poison_claim{0};  // the first poisoner writes the reason
+  std::atomic<std::uint64_t> timestamp_ns{0};
   char poison_reason[200] = {};              // written by the claimant before `poisoned` is set
 
   // Stores a value and wakes sleeping waiters (what a device's `signal` command does).
