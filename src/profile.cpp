@@ -55,6 +55,7 @@ void Profiler::enable(std::string path) {
   std::lock_guard lock(mutex_);
   path_override_ = std::move(path);
   overridden_.store(!path_override_.empty(), std::memory_order_release);
+  if (!path_override_.empty()) register_exit_writer();
 }
 
 void Profiler::register_exit_writer() {
@@ -77,10 +78,19 @@ void Profiler::add(ProfileEvent event) {
   events_.push_back(std::move(event));
 }
 
-void Profiler::on_flush(std::function<void()> hook) {
+std::uint64_t Profiler::on_flush(std::function<void()> hook) {
+  const bool profiling = overridden_.load() || !settings().profile.empty();  // may throw: before we register
   std::lock_guard lock(mutex_);
-  register_exit_writer();
-  hooks_.push_back(std::move(hook));
+  hooks_.emplace_back(next_token_, std::move(hook));
+  // With TINYDEV_PROFILE set, a device's pending records must reach the file at exit even if no
+  // event was added yet.
+  if (profiling) register_exit_writer();
+  return next_token_++;
+}
+
+void Profiler::remove_flush(std::uint64_t token) {
+  std::lock_guard lock(mutex_);
+  std::erase_if(hooks_, [&](const auto& h) { return h.first == token; });
 }
 
 std::vector<ProfileEvent> Profiler::events() const {
@@ -97,12 +107,12 @@ std::size_t Profiler::write(std::string path) {
   std::vector<std::function<void()>> hooks;
   {
     std::lock_guard lock(mutex_);
-    hooks = hooks_;
+    if (path.empty()) path = !path_override_.empty() ? path_override_ : settings().profile;
+    if (path.empty()) return 0;  // profiling is off: nothing to flush or write
+    for (const auto& [token, hook] : hooks_) hooks.push_back(hook);
   }
   for (auto& hook : hooks) hook();  // outside the lock: hooks add events
   std::lock_guard lock(mutex_);
-  if (path.empty()) path = !path_override_.empty() ? path_override_ : settings().profile;
-  if (path.empty()) return 0;
   std::map<std::string, int> pids;
   for (const ProfileEvent& e : events_) pids.emplace(e.device, static_cast<int>(pids.size()) + 1);
   std::string out = "{\"traceEvents\":[\n";

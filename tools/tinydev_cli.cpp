@@ -100,6 +100,11 @@ int main(int argc, char** argv) {
   std::vector<std::string> args(argv + 1, argv + argc);
   if (args.empty()) return usage_error("missing command");
   try {
+    tinydev::settings();  // an invalid TINYDEV_* variable is a usage error, before anything opens
+  } catch (const tinydev::InvalidArgument& e) {
+    return usage_error(e.what());
+  }
+  try {
     if (args[0] == "--help" || args[0] == "-h" || args[0] == "help") {
       fmt::print("{}", kUsage);
       return 0;

@@ -252,7 +252,9 @@ CpuHCQDevice::CpuHCQDevice(const std::string& name, std::unique_ptr<Compiler> co
       compute_worker_(name, "COMPUTE"),
       copy_worker_(name, "DMA") {
   kernargs_pages_.emplace_back(new std::byte[kKernargsPage]);
-  Profiler::global().on_flush([this] {
+  // Last, and nothing may throw after it: a constructor that throws runs no destructor, and only
+  // the destructor removes this hook (which points at this device).
+  profile_hook_ = Profiler::global().on_flush([this] {
     try {
       synchronize();
     } catch (const std::exception& e) {
@@ -261,7 +263,7 @@ CpuHCQDevice::CpuHCQDevice(const std::string& name, std::unique_ptr<Compiler> co
   });
 }
 
-CpuHCQDevice::~CpuHCQDevice() = default;
+CpuHCQDevice::~CpuHCQDevice() { Profiler::global().remove_flush(profile_hook_); }
 
 // Note [Kernargs pages]
 // Kernel arguments are bump-allocated from 1 MiB pages. A full page is retired, tagged with the

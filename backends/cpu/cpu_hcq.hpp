@@ -155,6 +155,7 @@ class CpuHCQDevice : public HCQCompiled<CpuComputeQueue, CpuCopyQueue>, public C
   std::vector<std::unique_ptr<std::byte[]>> kernargs_pages_;
   std::deque<std::pair<std::size_t, std::uint64_t>> kernargs_retired_;  // (page, timeline value)
   std::size_t kernargs_page_ = 0, kernargs_next_ = 0;
+  std::uint64_t profile_hook_ = 0;  // removed in the destructor: the hook points at this device
 };
 
 }  // namespace tinydev::cpu

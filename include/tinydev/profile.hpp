@@ -34,8 +34,10 @@ class Profiler {
   // Turns profiling on for this process, writing to `path` at exit (for code and tests).
   void enable(std::string path);
   void add(ProfileEvent event);
-  // Hooks run before writing, so devices can turn their pending timestamps into events.
-  void on_flush(std::function<void()> hook);
+  // Hooks run before writing, so devices can turn their pending timestamps into events. Returns a
+  // token for remove_flush, which whoever registered a hook must call before it dies.
+  std::uint64_t on_flush(std::function<void()> hook);
+  void remove_flush(std::uint64_t token);
   // Writes every event so far to `path` (TINYDEV_PROFILE's when empty). Throws Error when the
   // file cannot be written. Returns the number of events written.
   std::size_t write(std::string path = "");
@@ -52,7 +54,8 @@ class Profiler {
   std::string path_override_;
   bool exit_writer_registered_ = false;
   std::vector<ProfileEvent> events_;
-  std::vector<std::function<void()>> hooks_;
+  std::vector<std::pair<std::uint64_t, std::function<void()>>> hooks_;
+  std::uint64_t next_token_ = 1;
 };
 
 }  // namespace tinydev

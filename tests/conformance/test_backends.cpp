@@ -162,3 +162,19 @@ TEST_CASE("backends: the host allocator caches by size and options, and mem_used
     CHECK(GlobalCounters::mem_used == used);
   });
 }
+
+TEST_CASE("backends: CLANG without a clang on PATH is DeviceUnavailable saying so", "[backends]") {
+  const char* old_path = std::getenv("PATH");
+  const std::string saved = old_path ? old_path : "";
+  TempDir empty;
+  ::setenv("PATH", empty.str().c_str(), 1);
+  try {
+    Device["CLANG:42"];  // a fresh instance looks for clang now
+    ::setenv("PATH", saved.c_str(), 1);
+    FAIL("expected DeviceUnavailable");
+  } catch (const DeviceUnavailable& e) {
+    ::setenv("PATH", saved.c_str(), 1);
+    CHECK_THAT(std::string(e.what()), Catch::Contains("no clang compiler on PATH") && Catch::Contains("apt-get install clang-19"));
+  }
+  CHECK(Device["CLANG:42"].name() == "CLANG:42");  // with clang back on PATH the open is retried and works
+}
