@@ -263,7 +263,10 @@ CpuHCQDevice::CpuHCQDevice(const std::string& name, std::unique_ptr<Compiler> co
   });
 }
 
-CpuHCQDevice::~CpuHCQDevice() { Profiler::global().remove_flush(profile_hook_); }
+CpuHCQDevice::~CpuHCQDevice() {
+  Profiler::global().remove_flush(profile_hook_);
+  cpu_allocator().detach_device();  // the allocator outlives our members (it is destroyed last)
+}
 
 // Note [Kernargs pages]
 // Kernel arguments are bump-allocated from 1 MiB pages. A full page is retired, tagged with the

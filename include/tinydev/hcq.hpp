@@ -567,8 +567,15 @@ class HCQAllocator : public LRUAllocator {
   // Backends call this in free_impl before memory really goes: a staged copy or a queued kernel
   // submitted earlier may still write it (the seed's allocators synchronize in _free likewise).
   void wait_before_free() const {
-    if (!device_.idle()) device_.wait_timeline(device_.timeline_value() - 1);
+    if (device_alive_ && !device_.idle()) device_.wait_timeline(device_.timeline_value() - 1);
   }
+
+ public:
+  // A device being destroyed (only a failed open does that) calls this first: frees from then
+  // on do not look at its timeline.
+  void detach_device() noexcept { device_alive_ = false; }
+
+ protected:
   // Derived destructors must call this before their own memory goes (see LRUAllocator).
   void release_ring() {
     for (Allocation& b : ring_) free_impl(b, batch_size_, BufferOptions{.host = true});
@@ -602,6 +609,7 @@ class HCQAllocator : public LRUAllocator {
 
   std::size_t batch_size_, batch_count_;
   bool host_visible_;
+  bool device_alive_ = true;
   bool force_staging_ = false;
   std::vector<Allocation> ring_;
   std::vector<std::uint64_t> ring_timeline_;
