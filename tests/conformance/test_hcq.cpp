@@ -448,3 +448,17 @@ TEST_CASE("hcq: a signal freed while work is in flight is dead at once; freeing 
     dev.free_signal(gate);
   });
 }
+
+TEST_CASE("hcq: more bad input: foreign programs in graphs, missing or oversized kernargs", "[hcq]") {
+  auto& llvm = dynamic_cast<CpuHCQDevice&>(Device["LLVM"]);
+  auto& clang = dynamic_cast<CpuHCQDevice&>(Device["CLANG"]);
+  auto on_clang = clang.load_kernel("ping", inc_kernel("ping").for_device(clang));
+  CHECK_THROWS_WITH(llvm.create_graph({GraphKernel{on_clang, {GraphBuffer::in(0), GraphBuffer::in(1)}, {}}}),
+                    Catch::Contains("was not loaded by LLVM's runtime"));
+  auto ping = load_cpu(llvm, "ping", inc_kernel("ping"));
+  auto q = llvm.compute_queue();
+  CHECK_THROWS_WITH(q.exec(*ping, Kernargs{nullptr, 2, 0}, {1, 1, 1}, {1, 1, 1}), Catch::Contains("have no memory"));
+  CHECK(q.size() == 0);
+  CHECK_THROWS_WITH(llvm.alloc_kernargs(200000, 0), Catch::Contains("do not fit"));
+  CHECK_THROWS_WITH(q.exec(*ping, llvm.alloc_kernargs(2, 0), {0, 1, 1}, {1, 1, 1}), Catch::Contains("zero dimension"));
+}

@@ -209,3 +209,18 @@ TEST_CASE("dtype: sizes and names", "[buffer]") {
   CHECK(dtypes::uint64.itemsize == 8);
   CHECK_THROWS_WITH(dtype_from_name("float128"), Catch::Contains("unknown dtype 'float128'"));
 }
+
+TEST_CASE("buffer: adopting an allocation smaller than the buffer is an error", "[buffer]") {
+  FakeDevice& dev = fake_device();
+  Allocation small = dev.allocator().alloc(100);
+  CHECK_THROWS_WITH(Buffer("fake", 100, dtypes::int32, Buffer::Params{.adopt = small}),
+                    Catch::Contains("cannot adopt an allocation of 100 bytes for a buffer of 400 bytes"));
+  dev.allocator().free(small, 100);
+}
+
+TEST_CASE("device: a device without a runtime says so when asked for a kernel", "[buffer]") {
+  FakeDevice& dev = fake_device();
+  CHECK_THROWS_WITH(dev.load_kernel("k", "source"), Catch::Contains("runs no kernels"));
+  Compiler none;  // the base compiler (the seed's Compiler()): compiles nothing
+  CHECK_THROWS_WITH(none.compile_cached("x"), Catch::Contains("has no compiler"));
+}
