@@ -1,5 +1,5 @@
 # The CLI's usage errors: each must exit 2 and print usage.
-foreach(args "" "bogus" "demo;a;b" "devices;extra" "demo;:bad")
+foreach(args "" "bogus" "demo;a;b" "devices;extra" "demo;:bad" "demo;nosuchdevice")
   execute_process(COMMAND ${CLI} ${args} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
   if(NOT rc EQUAL 2)
     message(FATAL_ERROR "tinydev ${args}: exit ${rc}, expected 2\n${out}${err}")

@@ -129,8 +129,7 @@ int main(int argc, char** argv) {
     }
     return usage_error(fmt::format("unknown command '{}'", args[0]));
   } catch (const tinydev::InvalidArgument& e) {
-    fmt::print(stderr, "tinydev: {}\n", e.what());
-    return 2;
+    return usage_error(e.what());  // a bad argument, e.g. a device this build does not have
   } catch (const std::exception& e) {
     fmt::print(stderr, "tinydev: {}\n", e.what());
     return 1;

@@ -244,6 +244,27 @@ const std::shared_ptr<SignalPool>& CpuHCQDevice::shared_signal_pool() {
 
 namespace {
 constexpr std::size_t kKernargsPage = 1u << 20;
+
+// The live CPU devices, for signal_users_now (they share one signal pool).
+struct LiveDevices {
+  std::mutex mutex;
+  std::vector<const CpuHCQDevice*> devices;
+};
+LiveDevices& live_devices() {
+  static auto* live = new LiveDevices;  // never destroyed: devices outlive static destructors
+  return *live;
+}
+}  // namespace
+
+std::vector<CpuHCQDevice::TimelineMark> CpuHCQDevice::signal_users_now() const {
+  std::vector<TimelineMark> marks;
+  LiveDevices& live = live_devices();
+  std::lock_guard lock(live.mutex);
+  for (const CpuHCQDevice* device : live.devices) {
+    auto own = device->HCQCompiled::signal_users_now();
+    marks.insert(marks.end(), own.begin(), own.end());
+  }
+  return marks;
 }
 
 CpuHCQDevice::CpuHCQDevice(const std::string& name, std::unique_ptr<Compiler> compiler, SourceLanguage language)
@@ -252,8 +273,8 @@ CpuHCQDevice::CpuHCQDevice(const std::string& name, std::unique_ptr<Compiler> co
       compute_worker_(name, "COMPUTE"),
       copy_worker_(name, "DMA") {
   kernargs_pages_.emplace_back(new std::byte[kKernargsPage]);
-  // Last, and nothing may throw after it: a constructor that throws runs no destructor, and only
-  // the destructor removes this hook (which points at this device).
+  // Last, and undone on failure: a constructor that throws runs no destructor, and only the
+  // destructor removes the hook and the registration (both point at this device).
   profile_hook_ = Profiler::global().on_flush([this] {
     try {
       synchronize();
@@ -261,10 +282,23 @@ CpuHCQDevice::CpuHCQDevice(const std::string& name, std::unique_ptr<Compiler> co
       debug_log(1, "tinydev: {}: could not finish work for the profile: {}", this->name(), e.what());
     }
   });
+  try {
+    LiveDevices& live = live_devices();
+    std::lock_guard lock(live.mutex);
+    live.devices.push_back(this);
+  } catch (...) {
+    Profiler::global().remove_flush(profile_hook_);
+    throw;
+  }
 }
 
 CpuHCQDevice::~CpuHCQDevice() {
   Profiler::global().remove_flush(profile_hook_);
+  {
+    LiveDevices& live = live_devices();
+    std::lock_guard lock(live.mutex);
+    std::erase(live.devices, this);
+  }
   cpu_allocator().detach_device();  // the allocator outlives our members (it is destroyed last)
 }
 

@@ -1,4 +1,4 @@
-// backends/cpu/cpu_hcq.hpp: the CPU as an HCQ device (internal header of the CPU backends).
+// backends/cpu/cpu_hcq.hpp (installed as <tinydev/cpu/cpu_hcq.hpp>): the CPU as an HCQ device.
 //
 // The LLVM and CLANG devices are CpuHCQDevices: each runs a compute queue and a copy queue on a
 // worker thread of its own, executing submitted commands in order: `exec` calls the kernel (grids
@@ -130,6 +130,8 @@ class CpuHCQDevice : public HCQCompiled<CpuComputeQueue, CpuCopyQueue>, public C
   // Every CPU device's signals: host memory that every CPU queue can reach.
   static const std::shared_ptr<SignalPool>& shared_signal_pool();
   bool can_reach(const SignalPool& pool) const noexcept override { return &pool == shared_signal_pool().get(); }
+  // Every live CPU device: any of their queues may use a CPU signal.
+  std::vector<TimelineMark> signal_users_now() const override;
   std::uint64_t device_to_cpu_ns(std::uint64_t device_ns, bool) const override { return device_ns; }
 
   CpuQueueWorker& compute_worker() noexcept { return compute_worker_; }

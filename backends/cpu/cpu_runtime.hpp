@@ -1,5 +1,5 @@
-// backends/cpu/cpu_runtime.hpp: what the two CPU backends (LLVM, CLANG) share. Internal header:
-// no LLVM types appear here, so the backends' device code compiles without LLVM's headers.
+// backends/cpu/cpu_runtime.hpp (installed as <tinydev/cpu/cpu_runtime.hpp>): what the two CPU
+// backends (LLVM, CLANG) share. Public for CpuProgram and the thread pool; // no LLVM types appear here, so the backends' device code compiles without LLVM's headers.
 //
 //  - ObjectRuntime loads relocatable object files (ELF, as `compile` returns) and hands out
 //    Programs: with the fast ELF loader on x86-64, else (or when it declines) with ORC's JITLink

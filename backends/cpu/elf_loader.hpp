@@ -1,5 +1,5 @@
 // backends/cpu/elf_loader.hpp: a small loader for x86-64 ELF relocatable objects, the fast path of
-// the CPU backends' ObjectRuntime (internal header).
+// the CPU backends' ObjectRuntime (installed with the CPU headers; few users need it directly).
 //
 // Note [Two object loaders]
 // ORC's JITLink loads any object LLVM can link, on any host, but spends ~100-250 us per object

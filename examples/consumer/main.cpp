@@ -53,11 +53,11 @@ int main() {
   // device's timeline, then a synchronize.
   auto& hcq = dynamic_cast<cpu::CpuHCQDevice&>(dev);
   auto& program = dynamic_cast<cpu::CpuProgram&>(*add);
-  Kernargs kernargs = hcq.alloc_kernargs(3, 1);
   const Allocation again[] = {bo.allocation(), bo.allocation(), bb.allocation()};
-  fill_kernargs(program, kernargs, again, vals);
   {
-    std::lock_guard lock(hcq.submit_mutex());
+    std::lock_guard lock(hcq.submit_mutex());  // kernargs and the timeline value in one section
+    Kernargs kernargs = hcq.alloc_kernargs(3, 1);
+    fill_kernargs(program, kernargs, again, vals);
     const std::uint64_t value = hcq.next_timeline_value();
     hcq.compute_queue()
         .wait(hcq.timeline_signal(), value - 1)

@@ -273,19 +273,33 @@ class HCQCompiled : public Compiled {
   // Whether this device's queues can wait on and write signals of `pool`.
   virtual bool can_reach(const SignalPool& pool) const noexcept { return &pool == pool_.get(); }
 
+  // A timeline position: reached once `slot` holds at least `value`.
+  struct TimelineMark {
+    const SignalSlot* slot;
+    std::uint64_t value;
+    bool reached() const noexcept { return slot->value.load(std::memory_order_acquire) >= value; }
+  };
+  // Where every device whose queues may use this device's signals stands now (the last value
+  // submitted on each timeline). A freed signal's slot is reused only once all are reached. Devices
+  // sharing a signal pool with others override this to list them all.
+  virtual std::vector<TimelineMark> signal_users_now() const {
+    return {TimelineMark{timeline_slot_.load(std::memory_order_acquire), timeline_value() - 1}};
+  }
+
   Signal alloc_signal(std::uint64_t value = 0) {
     reclaim_signals();
     return pool_->alloc(value);
   }
   // Note [Deferred signal free]
-  // Work already submitted may still write the signal, so its slot is only reused once the
-  // timeline has passed everything submitted before the free. The handle is invalid at once.
+  // Work already submitted may still touch the signal, on this device or on any other device
+  // whose queues reach the same pool, so its slot is only reused once every one of those timelines
+  // has passed what was submitted before the free (signal_users_now). The handle dies at once.
   void free_signal(const Signal& signal) {
     std::lock_guard lock(submit_mutex_);
     if (signal.pool() != pool_.get())
       throw InvalidArgument(fmt::format("{}: cannot free {}: it was allocated elsewhere", name(), signal.describe()));
     const std::uint32_t index = pool_->retire(signal);  // the handle is dead now; a second free throws
-    pending_frees_.emplace_back(index, timeline_value() - 1);
+    pending_frees_.emplace_back(index, signal_users_now());
     reclaim_signals();
   }
 
@@ -329,7 +343,7 @@ class HCQCompiled : public Compiled {
     timeline_signal_.set(0);
     timeline_value_.store(1, std::memory_order_release);
     timeline_slot_.store(&timeline_signal_.slot(), std::memory_order_release);
-    for (auto& entry : pending_frees_) entry.second = 0;
+    // Pending frees keep marks on the old slot, which holds its final value until the next wrap.
     wraps_.fetch_add(1, std::memory_order_release);
     on_timeline_wrapped();
   }
@@ -371,9 +385,9 @@ class HCQCompiled : public Compiled {
 
   void reclaim_signals() {
     std::lock_guard lock(submit_mutex_);
-    const std::uint64_t done = timeline_signal_.slot().value.load(std::memory_order_acquire);
-    auto ready = std::stable_partition(pending_frees_.begin(), pending_frees_.end(),
-                                       [&](const auto& entry) { return entry.second > done; });
+    auto ready = std::stable_partition(pending_frees_.begin(), pending_frees_.end(), [](const auto& entry) {
+      return !std::all_of(entry.second.begin(), entry.second.end(), [](const TimelineMark& m) { return m.reached(); });
+    });
     for (auto it = ready; it != pending_frees_.end(); ++it) pool_->recycle(it->first);
     pending_frees_.erase(ready, pending_frees_.end());
   }
@@ -384,7 +398,7 @@ class HCQCompiled : public Compiled {
   Signal timeline_signal_, shadow_timeline_signal_;
   std::atomic<SignalSlot*> timeline_slot_;
   std::atomic<std::uint64_t> timeline_value_{1};
-  std::vector<std::pair<std::uint32_t, std::uint64_t>> pending_frees_;  // (slot, timeline value)
+  std::vector<std::pair<std::uint32_t, std::vector<TimelineMark>>> pending_frees_;  // (slot index, marks)
   std::atomic<std::uint64_t> wraps_{0};
   std::vector<ProfileRecord> profile_records_;
 };
@@ -464,6 +478,18 @@ class HCQAllocator : public LRUAllocator {
 
   // Forces every copyin/copyout through the staging ring (tests, benchmarks of the ring).
   void set_force_staging(bool force) noexcept { force_staging_ = force; }
+  // Changes the ring's shape: waits for the device to finish what uses the old ring, frees it;
+  // the new one is made at the next staged copy.
+  void set_staging_shape(std::size_t batch_size, std::size_t batch_count) {
+    if (batch_size == 0 || batch_count == 0)
+      throw InvalidArgument("an HCQ allocator's staging ring needs at least one slot of at least one byte");
+    std::lock_guard lock(device_.submit_mutex());
+    device_.synchronize();
+    release_ring();
+    batch_size_ = batch_size;
+    batch_count_ = batch_count;
+    next_ = 0;
+  }
   std::size_t staging_batch_size() const noexcept { return batch_size_; }
   std::size_t staging_batch_count() const noexcept { return batch_count_; }
 
@@ -524,16 +550,18 @@ class HCQAllocator : public LRUAllocator {
     std::scoped_lock lock(src_device.submit_mutex(), dest_device.submit_mutex());
     using Queue = typename Device::copy_queue_type;
     Queue q;
+    const bool same = &src_device == &dest_device;
+    const std::uint64_t dest_done = dest_device.timeline_value() - 1;  // read before taking a value
     const std::uint64_t value = src_device.next_timeline_value();
     {
       HCQProfileScope<Device, Queue> prof(src_device, fmt::format("{} -> {}", src_device.name(), dest_device.name()),
                                           true, &q);
-      q.wait(src_device.timeline_signal(), value - 1)
-          .wait(dest_device.timeline_signal(), dest_device.timeline_value() - 1)
-          .copy(dest, src, size);
+      q.wait(src_device.timeline_signal(), value - 1);
+      if (!same) q.wait(dest_device.timeline_signal(), dest_done);
+      q.copy(dest, src, size);
     }
     q.signal(src_device.timeline_signal(), value).submit(src_device);
-    if (&src_device != &dest_device) {
+    if (!same) {
       const std::uint64_t value = dest_device.next_timeline_value();
       dest_device.compute_queue()
           .wait(src_device.timeline_signal(), src_device.timeline_value() - 1)
@@ -580,6 +608,7 @@ class HCQAllocator : public LRUAllocator {
   void release_ring() {
     for (Allocation& b : ring_) free_impl(b, batch_size_, BufferOptions{.host = true});
     ring_.clear();
+    ring_timeline_.clear();
   }
   Device& device_;
 

@@ -462,3 +462,62 @@ TEST_CASE("hcq: more bad input: foreign programs in graphs, missing or oversized
   CHECK_THROWS_WITH(llvm.alloc_kernargs(200000, 0), Catch::Contains("do not fit"));
   CHECK_THROWS_WITH(q.exec(*ping, llvm.alloc_kernargs(2, 0), {0, 1, 1}, {1, 1, 1}), Catch::Contains("zero dimension"));
 }
+
+TEST_CASE("hcq: transfer within one device, and a custom staging ring shape", "[hcq]") {
+  for_each_hcq_device([](CpuHCQDevice& dev) {
+    const auto data = random_bytes((3u << 20) + 5, fresh_seed());
+    Buffer a(dev.name(), data.size(), dtypes::uint8), b(dev.name(), data.size(), dtypes::uint8);
+    a.allocate().copyin(data);
+    b.allocate();
+    cpu::CpuAllocator::transfer(b.allocation(), a.allocation(), data.size(), dev, dev);  // must not wait on itself
+    std::vector<std::byte> back(data.size());
+    b.copyout(back);
+    CHECK(back == data);
+    dev.cpu_allocator().set_staging_shape(1u << 20, 3);
+    dev.cpu_allocator().set_force_staging(true);
+    Buffer c(dev.name(), data.size(), dtypes::uint8);
+    c.allocate().copyin(data);
+    std::vector<std::byte> back2(data.size());
+    c.copyout(back2);
+    dev.cpu_allocator().set_force_staging(false);
+    CHECK(back2 == data);
+    CHECK(dev.cpu_allocator().staging_batch_count() == 3);
+    dev.cpu_allocator().set_staging_shape(cpu::CpuAllocator::kDefaultBatchSize, 4);
+    CHECK_THROWS_AS(dev.cpu_allocator().set_staging_shape(0, 4), InvalidArgument);
+  });
+}
+
+TEST_CASE("hcq: a signal freed on one device is not reused while another device's queue uses it", "[hcq]") {
+  auto& llvm = dynamic_cast<CpuHCQDevice&>(Device["LLVM"]);
+  auto& clang = dynamic_cast<CpuHCQDevice&>(Device["CLANG"]);
+  Signal gate = clang.alloc_signal(0);
+  Signal shared = llvm.alloc_signal(0);
+  {
+    std::lock_guard lock(clang.submit_mutex());
+    const std::uint64_t v = clang.next_timeline_value();
+    clang.compute_queue().wait(clang.timeline_signal(), v - 1).wait(gate, 1).signal(shared, 2)
+        .signal(clang.timeline_signal(), v).submit(clang);
+  }
+  const std::uint32_t index = shared.index();
+  llvm.free_signal(shared);  // CLANG's queued command will still write it
+  std::vector<Signal> fresh;
+  for (int i = 0; i < 600; ++i) fresh.push_back(llvm.alloc_signal(0));
+  for (const Signal& s : fresh) CHECK(s.index() != index);
+  gate.set(1);
+  clang.synchronize();
+  for (const Signal& s : fresh) {
+    CHECK(s.value() == 0);  // nobody's write landed in a reused slot
+    llvm.free_signal(s);
+  }
+}
+
+TEST_CASE("hcq: a queued exec with the wrong number of values is rejected", "[hcq]") {
+  for_each_hcq_device([](CpuHCQDevice& dev) {
+    auto fill = load_cpu(dev, "fill", kFill);  // 1 buffer, 1 value (+ the grid index)
+    auto q = dev.compute_queue();
+    CHECK_THROWS_WITH(q.exec(*fill, dev.alloc_kernargs(1, 3), {4, 1, 1}, {1, 1, 1}),
+                      Catch::Contains("takes 1 buffers and 2 values, got 1 and 3"));
+    CHECK_THROWS_WITH(q.exec(*fill, dev.alloc_kernargs(1, 1), {1, 1, 1}, {1, 1, 1}), Catch::Contains("got 1 and 1"));
+    CHECK(q.size() == 0);
+  });
+}
