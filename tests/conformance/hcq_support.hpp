@@ -46,6 +46,31 @@ inline const KernelSource kScale{
     "exit:\n  ret void\n}\n",
     "void scale(float* out, const float* a, int k, int n) { for (int i = 0; i < n; i++) out[i] = a[i] * (float)k; }\n"};
 
+// A one-int32 buffer holding 0, and its value read back.
+inline Buffer int_counter(const Compiled& dev) {
+  const std::int32_t zero = 0;
+  Buffer b(dev.name(), 1, dtypes::int32);
+  b.allocate().copyin(std::span<const std::int32_t>(&zero, 1));
+  return b;
+}
+inline std::int32_t read_int(const Buffer& b) {
+  std::int32_t v = 0;
+  b.copyout(std::span<std::int32_t>(&v, 1));
+  return v;
+}
+
+// Records `body` into a compute queue ordered on the device's timeline (wait for the last value,
+// signal the next) and submits it.
+template <class Body>
+void submit_ordered(CpuHCQDevice& dev, Body&& body) {
+  std::lock_guard lock(dev.submit_mutex());
+  const std::uint64_t v = dev.next_timeline_value();
+  auto q = dev.compute_queue();
+  q.wait(dev.timeline_signal(), v - 1);
+  body(q);
+  q.signal(dev.timeline_signal(), v).submit(dev);
+}
+
 inline std::shared_ptr<cpu::CpuProgram> load_cpu(CpuHCQDevice& dev, const std::string& name, const KernelSource& k) {
   return std::dynamic_pointer_cast<cpu::CpuProgram>(dev.load_kernel(name, k.for_device(dev)));
 }

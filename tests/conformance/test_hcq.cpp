@@ -70,10 +70,7 @@ TEST_CASE("hcq: one exec, and two kernels ping-ponged 100 times giving 200", "[h
   for_each_hcq_device([](CpuHCQDevice& dev) {
     auto ping = load_cpu(dev, "ping", inc_kernel("ping"));
     auto pong = load_cpu(dev, "pong", inc_kernel("pong"));
-    Buffer a(dev.name(), 1, dtypes::int32), b(dev.name(), 1, dtypes::int32);
-    const std::int32_t zero = 0;
-    a.allocate().copyin(std::span<const std::int32_t>(&zero, 1));
-    b.allocate().copyin(std::span<const std::int32_t>(&zero, 1));
+    Buffer a = int_counter(dev), b = int_counter(dev);
     Kernargs ab = dev.alloc_kernargs(2, 0), ba = dev.alloc_kernargs(2, 0);
     const Allocation to_b[] = {b.allocation(), a.allocation()}, to_a[] = {a.allocation(), b.allocation()};
     fill_kernargs(*ping, ab, to_b, {});
@@ -84,9 +81,7 @@ TEST_CASE("hcq: one exec, and two kernels ping-ponged 100 times giving 200", "[h
     dev.compute_queue().wait(dev.timeline_signal(), v - 1).exec(*ping, ab, {1, 1, 1}, {1, 1, 1})
         .signal(dev.timeline_signal(), v).submit(dev);
     dev.synchronize();
-    std::int32_t got = -1;
-    b.copyout(std::span<std::int32_t>(&got, 1));
-    CHECK(got == 1);
+    CHECK(read_int(b) == 1);
     // 100 ping-pongs in one queue: a = 2*i, b = 2*i - 1.
     auto q = dev.compute_queue();
     q.wait(dev.timeline_signal(), dev.timeline_value() - 1);
@@ -94,10 +89,8 @@ TEST_CASE("hcq: one exec, and two kernels ping-ponged 100 times giving 200", "[h
     v = dev.next_timeline_value();
     q.signal(dev.timeline_signal(), v).submit(dev);
     dev.synchronize();
-    a.copyout(std::span<std::int32_t>(&got, 1));
-    CHECK(got == 200);
-    b.copyout(std::span<std::int32_t>(&got, 1));
-    CHECK(got == 201);
+    CHECK(read_int(a) == 200);
+    CHECK(read_int(b) == 201);
   });
 }
 
@@ -191,10 +184,7 @@ TEST_CASE("hcq: timestamps are positive and ordered", "[hcq]") {
 TEST_CASE("hcq: the timeline started at 2^32-20 rolls over with all work still correct", "[hcq]") {
   for_each_hcq_device([](CpuHCQDevice& dev) {
     auto ping = load_cpu(dev, "ping", inc_kernel("ping"));
-    Buffer a(dev.name(), 1, dtypes::int32), b(dev.name(), 1, dtypes::int32);
-    const std::int32_t zero = 0;
-    a.allocate().copyin(std::span<const std::int32_t>(&zero, 1));
-    b.allocate().copyin(std::span<const std::int32_t>(&zero, 1));
+    Buffer a = int_counter(dev), b = int_counter(dev);
     dev.synchronize();
     dev.set_timeline_for_testing((1ull << 32) - 20);
     const Signal old_timeline = dev.timeline_signal();
@@ -202,20 +192,13 @@ TEST_CASE("hcq: the timeline started at 2^32-20 rolls over with all work still c
     const Allocation ab[] = {a.allocation(), a.allocation()};
     fill_kernargs(*ping, args, ab, {});
     for (int i = 0; i < 40; ++i) {
-      {
-        std::lock_guard lock(dev.submit_mutex());
-        const std::uint64_t v = dev.next_timeline_value();
-        dev.compute_queue().wait(dev.timeline_signal(), v - 1).exec(*ping, args, {1, 1, 1}, {1, 1, 1})
-            .signal(dev.timeline_signal(), v).submit(dev);
-      }
+      submit_ordered(dev, [&](auto& q) { q.exec(*ping, args, {1, 1, 1}, {1, 1, 1}); });
       if (i % 10 == 9) dev.synchronize();  // the wrap happens at a synchronize past 2^31
     }
     dev.synchronize();
     CHECK(dev.timeline_value() < 100);  // wrapped
     CHECK_FALSE(dev.timeline_signal() == old_timeline);
-    std::int32_t got = 0;
-    a.copyout(std::span<std::int32_t>(&got, 1));
-    CHECK(got == 40);
+    CHECK(read_int(a) == 40);
     // Staging copies after the wrap still work.
     auto data = random_bytes((2u << 20) + 3, fresh_seed());
     Buffer big(dev.name(), data.size(), dtypes::uint8);
@@ -326,37 +309,26 @@ TEST_CASE("hcq: a failure poisons the signals its queue would set", "[hcq]") {
 TEST_CASE("hcq: direct program calls run after queued work", "[hcq]") {
   for_each_hcq_device([](CpuHCQDevice& dev) {
     auto ping = load_cpu(dev, "ping", inc_kernel("ping"));
-    Buffer a(dev.name(), 1, dtypes::int32);
-    const std::int32_t zero = 0;
-    a.allocate().copyin(std::span<const std::int32_t>(&zero, 1));
+    Buffer a = int_counter(dev);
     Signal gate = dev.alloc_signal(0);
     Kernargs args = dev.alloc_kernargs(2, 0);
     const Allocation aa[] = {a.allocation(), a.allocation()};
     fill_kernargs(*ping, args, aa, {});
-    {
-      std::lock_guard lock(dev.submit_mutex());
-      const std::uint64_t v = dev.next_timeline_value();
-      dev.compute_queue().wait(dev.timeline_signal(), v - 1).wait(gate, 1).exec(*ping, args, {1, 1, 1}, {1, 1, 1})
-          .signal(dev.timeline_signal(), v).submit(dev);
-    }
+    submit_ordered(dev, [&](auto& q) { q.wait(gate, 1).exec(*ping, args, {1, 1, 1}, {1, 1, 1}); });
     std::thread opener([&] {
       std::this_thread::sleep_for(20ms);
       gate.set(1);
     });
     (*ping)(aa, {});  // waits for the queued increment first: 0 -> 1 -> 2
     opener.join();
-    std::int32_t got = 0;
-    a.copyout(std::span<std::int32_t>(&got, 1));
-    CHECK(got == 2);
+    CHECK(read_int(a) == 2);
   });
 }
 
 TEST_CASE("hcq: kernargs allocation never blocks, even holding an unsubmitted timeline value", "[hcq]") {
   for_each_hcq_device([](CpuHCQDevice& dev) {
     auto ping = load_cpu(dev, "ping", inc_kernel("ping"));
-    Buffer a(dev.name(), 1, dtypes::int32);
-    const std::int32_t zero = 0;
-    a.allocate().copyin(std::span<const std::int32_t>(&zero, 1));
+    Buffer a = int_counter(dev);
     const Allocation aa[] = {a.allocation(), a.allocation()};
     std::lock_guard lock(dev.submit_mutex());
     const std::uint64_t v = dev.next_timeline_value();  // reserved, not yet submitted
@@ -371,9 +343,7 @@ TEST_CASE("hcq: kernargs allocation never blocks, even holding an unsubmitted ti
     CHECK(first.buffer(0) == a.allocation().va_addr);  // still intact: its page is not reused yet
     q.signal(dev.timeline_signal(), v).submit(dev);
     dev.synchronize();
-    std::int32_t got = 0;
-    a.copyout(std::span<std::int32_t>(&got, 1));
-    CHECK(got == 1);
+    CHECK(read_int(a) == 1);
   });
 }
 
@@ -381,11 +351,7 @@ TEST_CASE("hcq: memory freed while a staged copy is in flight is only freed afte
   for_each_hcq_device([](CpuHCQDevice& dev) {
     ScopedOverride no_cache("TINYDEV_LRU", "0");  // frees are real
     Signal gate = dev.alloc_signal(0);
-    {
-      std::lock_guard lock(dev.submit_mutex());
-      const std::uint64_t v = dev.next_timeline_value();
-      dev.compute_queue().wait(dev.timeline_signal(), v - 1).wait(gate, 1).signal(dev.timeline_signal(), v).submit(dev);
-    }
+    submit_ordered(dev, [&](auto& q) { q.wait(gate, 1); });  // holds the timeline until the gate opens
     std::thread opener([&] {
       std::this_thread::sleep_for(30ms);
       gate.set(1);
@@ -408,9 +374,7 @@ TEST_CASE("hcq: memory freed while a staged copy is in flight is only freed afte
 TEST_CASE("hcq: kernargs allocated before the timeline value is taken stay intact", "[hcq]") {
   for_each_hcq_device([](CpuHCQDevice& dev) {
     auto ping = load_cpu(dev, "ping", inc_kernel("ping"));
-    Buffer a(dev.name(), 1, dtypes::int32);
-    const std::int32_t zero = 0;
-    a.allocate().copyin(std::span<const std::int32_t>(&zero, 1));
+    Buffer a = int_counter(dev);
     const Allocation aa[] = {a.allocation(), a.allocation()};
     dev.synchronize();  // idle: the case where a just-retired page could look free
     std::lock_guard lock(dev.submit_mutex());
@@ -422,20 +386,14 @@ TEST_CASE("hcq: kernargs allocated before the timeline value is taken stay intac
     dev.compute_queue().wait(dev.timeline_signal(), v - 1).exec(*ping, first, {1, 1, 1}, {1, 1, 1})
         .signal(dev.timeline_signal(), v).submit(dev);
     dev.synchronize();
-    std::int32_t got = 0;
-    a.copyout(std::span<std::int32_t>(&got, 1));
-    CHECK(got == 1);
+    CHECK(read_int(a) == 1);
   });
 }
 
 TEST_CASE("hcq: a signal freed while work is in flight is dead at once; freeing twice is an error", "[hcq]") {
   for_each_hcq_device([](CpuHCQDevice& dev) {
     Signal gate = dev.alloc_signal(0), s = dev.alloc_signal(5);
-    {
-      std::lock_guard lock(dev.submit_mutex());
-      const std::uint64_t v = dev.next_timeline_value();
-      dev.compute_queue().wait(dev.timeline_signal(), v - 1).wait(gate, 1).signal(dev.timeline_signal(), v).submit(dev);
-    }
+    submit_ordered(dev, [&](auto& q) { q.wait(gate, 1); });  // holds the timeline until the gate opens
     dev.free_signal(s);
     CHECK_THROWS_WITH(s.value(), Catch::Contains("was freed"));
     CHECK_THROWS_WITH(dev.free_signal(s), Catch::Contains("freed twice"));
