@@ -386,6 +386,44 @@ attributes #0 = { nounwind "no-builtins" "no-trapping-math"="true" }
   }
 }
 
+TEST_CASE("kernels: C in the style code generators emit (vector types, builtins, bfloat16)", "[kernels]") {
+  // Shaped like tinygrad's C renderer output: ext_vector_type float4, restrict, __builtin_* math,
+  // <stdint.h> from the compiler's freestanding headers, a __bf16 output.
+  const std::string c = R"(#include <stdint.h>
+typedef float float4 __attribute__((aligned(16), ext_vector_type(4)));
+void E_4_16(float* restrict data0, __bf16* restrict data1, const float* restrict data2) {
+  for (int32_t ridx0 = 0; ridx0 < 16; ridx0++) {
+    float4 val0 = *((float4*)(data2 + ridx0 * 4));
+    float4 alu0 = val0 * val0 + (float4){1.0f, 1.0f, 1.0f, 1.0f};
+    data0[ridx0] = __builtin_sqrtf(alu0.x + alu0.y + alu0.z + alu0.w);
+    data1[ridx0] = (__bf16)data0[ridx0];
+  }
+}
+)";
+  Compiled& dev = Device["CLANG"];
+  const std::uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  auto in = random_floats(64, seed, -3.f, 3.f);
+  Buffer bi("CLANG", 64, dtypes::float32), bo("CLANG", 16, dtypes::float32), bb("CLANG", 16, dtypes::bfloat16);
+  bi.allocate().copyin(std::span<const float>(in));
+  bo.allocate();
+  bb.allocate();
+  auto prg = dev.load_kernel("E_4_16", c);
+  REQUIRE(prg->signature() == KernelSignature{3, 0});
+  const Allocation bufs[] = {bo.allocation(), bb.allocation(), bi.allocation()};
+  (*prg)(bufs);
+  std::vector<float> out(16);
+  std::vector<std::uint16_t> half(16);
+  bo.copyout(std::span<float>(out));
+  bb.copyout(std::span<std::uint16_t>(half));
+  for (int r = 0; r < 16; ++r) {
+    double sum = 0;
+    for (int k = 0; k < 4; ++k) sum += double(in[r * 4 + k]) * in[r * 4 + k] + 1.0;
+    REQUIRE(std::fabs(out[r] - std::sqrt(sum)) < 1e-4 * std::sqrt(sum));
+    REQUIRE(half[r] == bf16_reference(out[r]));
+  }
+}
+
 TEST_CASE("kernels: 8 threads compile, load and run concurrently on one device", "[kernels]") {
   for_each_backend([](Compiled& dev) {
     const std::uint64_t seed = fresh_seed();
