@@ -16,7 +16,7 @@ Graph::Graph(std::vector<GraphNode> nodes) : nodes_(std::move(nodes)) {
   for (std::size_t i = 0; i < nodes_.size(); ++i) {
     if (const auto* k = std::get_if<GraphKernel>(&nodes_[i])) {
       if (!k->program) throw InvalidArgument(fmt::format("graph node {}: a kernel node needs a program", i));
-      const bool grid = std::uint64_t{k->launch.global[0]} * k->launch.global[1] * k->launch.global[2] > 1;
+      const bool grid = grid_size(k->launch.global) > 1;
       if (auto sig = k->program->signature(); sig && !sig->accepts(k->buffers.size(), k->values.size(), grid))
         throw InvalidArgument(fmt::format("graph node {}: kernel '{}' takes {} buffers and {} values, the node "
                                           "gives {} and {}",

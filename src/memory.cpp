@@ -189,43 +189,56 @@ LRUStats LRUAllocator::stats() const {
   return stats_;
 }
 
+// ---- host memory helpers ----------------------------------------------------------------------
+
+Allocation detail::alloc_host_memory(std::size_t size, std::string_view who) {
+  void* p = nullptr;
+  // posix_memalign never zero-fills; large sizes come from fresh mmap pages, which the kernel
+  // zeroes lazily on first touch, so a fresh 64 MiB buffer costs no memset here.
+  if (::posix_memalign(&p, 64, size) != 0 || !p)
+    throw OutOfMemory(fmt::format("{}: host allocation of {} bytes failed", who, size));
+  return Allocation{reinterpret_cast<std::uintptr_t>(p), size, nullptr};
+}
+
+void detail::free_host_memory(const Allocation& allocation) noexcept { std::free(allocation.host_ptr()); }
+
+Allocation detail::sub_allocation(const Allocation& base, std::size_t size, std::size_t offset, std::string_view who) {
+  if (offset > base.size || size > base.size - offset)
+    throw InvalidArgument(fmt::format("{}: a view of {} bytes at offset {} does not fit in a {}-byte allocation",
+                                      who, size, offset, base.size));
+  return Allocation{base.va_addr + offset, size, base.backend};
+}
+
+void detail::check_fits(std::size_t bytes, const Allocation& allocation, std::string_view what, std::string_view who) {
+  if (bytes > allocation.size)
+    throw InvalidArgument(fmt::format("{}: {} of {} bytes with an allocation of {} bytes: too large", who, what, bytes,
+                                      allocation.size));
+}
+
 // ---- MallocAllocator ---------------------------------------------------------------------------
 
 MallocAllocator::~MallocAllocator() { free_cache(); }
 
 Allocation MallocAllocator::alloc_impl(std::size_t size, const BufferOptions&) {
-  void* p = nullptr;
-  // posix_memalign never zero-fills; large sizes come from fresh mmap pages, which the kernel
-  // zeroes lazily on first touch, so a fresh 64 MiB buffer costs no memset here.
-  if (::posix_memalign(&p, 64, size) != 0 || !p)
-    throw OutOfMemory(fmt::format("host allocator: malloc of {} bytes failed", size));
-  return Allocation{reinterpret_cast<std::uintptr_t>(p), size, nullptr};
+  return detail::alloc_host_memory(size, describe());
 }
 
 void MallocAllocator::free_impl(Allocation allocation, std::size_t, const BufferOptions&) {
-  std::free(allocation.host_ptr());
+  detail::free_host_memory(allocation);
 }
 
 void MallocAllocator::copyin(Allocation dest, std::span<const std::byte> src) {
-  if (src.size() > dest.size)
-    throw InvalidArgument(fmt::format("copyin of {} bytes into a {}-byte host allocation: too large",
-                                      src.size(), dest.size));
+  detail::check_fits(src.size(), dest, "copyin", describe());
   std::memcpy(dest.host_ptr(), src.data(), src.size());
 }
 
 void MallocAllocator::copyout(std::span<std::byte> dest, Allocation src) {
-  if (dest.size() > src.size)
-    throw InvalidArgument(fmt::format(
-        "copyout of {} bytes from a {}-byte host allocation: too large", dest.size(), src.size));
+  detail::check_fits(dest.size(), src, "copyout", describe());
   std::memcpy(dest.data(), src.host_ptr(), dest.size());
 }
 
 Allocation MallocAllocator::offset(Allocation base, std::size_t size, std::size_t offset) {
-  if (offset > base.size || size > base.size - offset)
-    throw InvalidArgument(fmt::format(
-        "host allocator: a view of {} bytes at offset {} does not fit in a {}-byte allocation",
-        size, offset, base.size));
-  return Allocation{base.va_addr + offset, size, base.backend};
+  return detail::sub_allocation(base, size, offset, describe());
 }
 
 std::optional<std::span<std::byte>> MallocAllocator::as_buffer(Allocation allocation) {

@@ -11,31 +11,30 @@
 namespace tinydev::kernels {
 
 // out[i] = a[i] + b[i] for i < n: `void add(float* out, float* a, float* b, int32 n)`.
+// `define void @name(params)` running `body` once for each %i in [0, %n), with %idx = %i as i64.
+// `params` must declare `i32 %n`; `body` is LLVM IR lines (each indented, newline-terminated).
+inline std::string llvm_counted_loop(std::string_view name, std::string_view params, std::string_view body) {
+  std::string ir = "define void @" + std::string(name) + "(" + std::string(params) + ") {\n";
+  ir += "entry:\n  %empty = icmp sle i32 %n, 0\n  br i1 %empty, label %exit, label %loop\n";
+  ir += "loop:\n  %i = phi i32 [ 0, %entry ], [ %next, %loop ]\n  %idx = zext i32 %i to i64\n";
+  ir += body;
+  ir += "  %next = add nuw nsw i32 %i, 1\n  %done = icmp eq i32 %next, %n\n";
+  ir += "  br i1 %done, label %exit, label %loop\nexit:\n  ret void\n}\n";
+  return ir;
+}
+
 inline std::string add_f32(SourceLanguage language, std::string_view name = "add") {
   std::string n(name);
   switch (language) {
     case SourceLanguage::LLVMIR:
-      return "define void @" + n + R"((ptr noalias align 32 %out, ptr noalias align 32 %a, ptr noalias align 32 %b, i32 %n) {
-entry:
-  %empty = icmp sle i32 %n, 0
-  br i1 %empty, label %exit, label %loop
-loop:
-  %i = phi i32 [ 0, %entry ], [ %next, %loop ]
-  %idx = zext i32 %i to i64
-  %pa = getelementptr inbounds float, ptr %a, i64 %idx
-  %pb = getelementptr inbounds float, ptr %b, i64 %idx
-  %po = getelementptr inbounds float, ptr %out, i64 %idx
-  %va = load float, ptr %pa, align 4
-  %vb = load float, ptr %pb, align 4
-  %sum = fadd float %va, %vb
-  store float %sum, ptr %po, align 4
-  %next = add nuw nsw i32 %i, 1
-  %done = icmp eq i32 %next, %n
-  br i1 %done, label %exit, label %loop
-exit:
-  ret void
-}
-)";
+      return llvm_counted_loop(n, "ptr noalias align 32 %out, ptr noalias align 32 %a, ptr noalias align 32 %b, i32 %n",
+                               "  %pa = getelementptr inbounds float, ptr %a, i64 %idx\n"
+                               "  %pb = getelementptr inbounds float, ptr %b, i64 %idx\n"
+                               "  %po = getelementptr inbounds float, ptr %out, i64 %idx\n"
+                               "  %va = load float, ptr %pa, align 4\n"
+                               "  %vb = load float, ptr %pb, align 4\n"
+                               "  %sum = fadd float %va, %vb\n"
+                               "  store float %sum, ptr %po, align 4\n");
     case SourceLanguage::C:
       return "void " + n +
              "(float* restrict out, const float* restrict a, const float* restrict b, int n) {\n"

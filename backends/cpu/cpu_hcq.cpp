@@ -223,16 +223,12 @@ CpuAllocator::~CpuAllocator() {
 std::string CpuAllocator::describe() const { return fmt::format("{} allocator (host memory)", device_.name()); }
 
 Allocation CpuAllocator::alloc_impl(std::size_t size, const BufferOptions&) {
-  void* p = nullptr;
-  // Never zero-filled: fresh large blocks come from mmap pages the kernel zeroes on first touch.
-  if (::posix_memalign(&p, 64, size) != 0 || !p)
-    throw OutOfMemory(fmt::format("{}: host allocation of {} bytes failed", device_.name(), size));
-  return Allocation{reinterpret_cast<std::uintptr_t>(p), size, nullptr};
+  return detail::alloc_host_memory(size, describe());
 }
 
 void CpuAllocator::free_impl(Allocation allocation, std::size_t, const BufferOptions&) {
   wait_before_free();
-  std::free(allocation.host_ptr());
+  detail::free_host_memory(allocation);
 }
 
 // ---- the device -----------------------------------------------------------------------------------

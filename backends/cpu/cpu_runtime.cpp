@@ -105,10 +105,6 @@ constexpr auto kCallTable = make_table(std::make_index_sequence<kMaxKernelArgs +
 #error "CPU kernel calls assume the x86-64 or AArch64 SysV calling convention (Note [CPU kernel calls])"
 #endif
 
-void call_with_args(void* fn, const std::uint64_t* args, std::size_t count) {
-  kCallTable[count](fn, args);
-}
-
 const HostTarget& host_target() {
   static const HostTarget target = [] {
     init_llvm();
@@ -265,7 +261,7 @@ void CpuProgram::check_launch(std::size_t buffers, std::size_t values, const Dim
   if (global[0] == 0 || global[1] == 0 || global[2] == 0) [[unlikely]]
     throw InvalidArgument(fmt::format("{} on {}: global size ({},{},{}) has a zero dimension", name(), device_,
                                       global[0], global[1], global[2]));
-  const std::uint64_t n = std::uint64_t{global[0]} * global[1] * global[2];
+  const std::uint64_t n = grid_size(global);
   if (signature_ && !signature_->accepts(buffers, values, n > 1)) [[unlikely]]
     throw InvalidArgument(fmt::format(
         "{} on {}: the kernel takes {} buffers and {} values, got {} and {}{}", name(), device_,
@@ -304,7 +300,7 @@ void run_grid(void* ctx, std::uint64_t begin, std::uint64_t end) {
 // spread over CpuThreadPool in chunks and may run in any order and concurrently. N = 1 is one call
 // without the index. The local size has no meaning on the CPU and is ignored.
 void CpuProgram::launch(const std::uint64_t* args, std::size_t count, const Dim3& global) const {
-  const std::uint64_t n = std::uint64_t{global[0]} * global[1] * global[2];
+  const std::uint64_t n = grid_size(global);
   if (n == 1) {
     kCallTable[count](fn_, args);
     return;
@@ -409,12 +405,16 @@ std::shared_ptr<Program> ObjectRuntime::load(std::string_view kernel_name,
   debug_log(2, "tinydev: {}: the fast loader declined '{}' ({}); loading with ORC", impl_->device,
             kernel_name, fast.declined);
 #endif
-  return load_with_orc(kernel_name, wrapped);
+  return load_unwrapped_with_orc(kernel_name, unwrapped);
 }
 
 std::shared_ptr<Program> ObjectRuntime::load_with_orc(std::string_view kernel_name,
                                                       std::span<const std::byte> wrapped) {
-  const UnwrappedBlob unwrapped = unwrap_object(wrapped);
+  return load_unwrapped_with_orc(kernel_name, unwrap_object(wrapped));
+}
+
+std::shared_ptr<Program> ObjectRuntime::load_unwrapped_with_orc(std::string_view kernel_name,
+                                                                const UnwrappedBlob& unwrapped) {
   const std::span<const std::byte> blob = unwrapped.object;
   auto& es = impl_->jit->getExecutionSession();
   auto dylib = impl_->jit->createJITDylib(

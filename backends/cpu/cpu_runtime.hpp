@@ -26,6 +26,8 @@
 
 namespace tinydev::cpu {
 
+struct UnwrappedBlob;  // cpu_blob.hpp
+
 // Worker threads for kernels launched with a global size N > 1 (Note [CPU grid ABI]), shared by
 // every CPU device: TINYDEV_CPU_THREADS threads in all, the caller counting as one. One grid runs
 // at a time; concurrent callers queue.
@@ -98,6 +100,7 @@ class ObjectRuntime final : public Runtime {
   struct Impl;
 
  private:
+  std::shared_ptr<Program> load_unwrapped_with_orc(std::string_view kernel_name, const UnwrappedBlob& unwrapped);
   std::shared_ptr<Impl> impl_;
 };
 
@@ -106,11 +109,6 @@ std::vector<std::string> object_functions(std::span<const std::byte> blob);
 
 // The most arguments (buffers + values, + the grid index) a CPU kernel call takes.
 inline constexpr std::size_t kMaxKernelArgs = 64;
-
-// Calls `fn` with `count` 64-bit integer-class arguments. On x86-64 and AArch64 SysV every pointer
-// and int32 argument travels in its own 64-bit register or stack slot, so a call through this
-// signature matches `void fn(T* ..., int32_t ...)` (Note [CPU kernel calls] in cpu_runtime.cpp).
-void call_with_args(void* fn, const std::uint64_t* args, std::size_t count);
 
 // The CPU devices' properties (target triple, cpu, features) for `tinydev devices`.
 std::map<std::string, std::string> host_properties();

@@ -112,6 +112,11 @@ struct KernelSignature {
   }
 };
 
+// How many kernel instances a launch of this global size runs (x * y * z).
+constexpr std::uint64_t grid_size(const std::array<std::uint32_t, 3>& global) noexcept {
+  return std::uint64_t{global[0]} * global[1] * global[2];
+}
+
 // A loaded kernel. Kernel ABI: `void name(T* buf0, ..., int32_t val0, ...)`.
 class Program {
  public:

@@ -220,7 +220,7 @@ class HWCopyQueue : public HWCommandQueue<Derived, Command> {
     return this->self();
   }
 
- protected:
+  // InvalidArgument when a copy of `size` bytes runs past either allocation.
   static void check_copy(const Allocation& dest, const Allocation& src, std::size_t size) {
     if (size > dest.size || size > src.size)
       throw InvalidArgument(fmt::format("copy of {} bytes runs past the end of the {} ({} bytes)", size,
@@ -494,7 +494,7 @@ class HCQAllocator : public LRUAllocator {
   std::size_t staging_batch_count() const noexcept { return batch_count_; }
 
   void copyin(Allocation dest, std::span<const std::byte> src) override {
-    check_fits(src.size(), dest, "copyin");
+    detail::check_fits(src.size(), dest, "copyin", describe());
     std::lock_guard lock(device_.submit_mutex());
     if (host_visible_ && !force_staging_ && device_.idle()) {
       direct_copy(dest.host_ptr<std::byte>(), src.data(), src.size(), "CPU", device_.name());
@@ -518,7 +518,7 @@ class HCQAllocator : public LRUAllocator {
   }
 
   void copyout(std::span<std::byte> dest, Allocation src) override {
-    check_fits(dest.size(), src, "copyout");
+    detail::check_fits(dest.size(), src, "copyout", describe());
     std::lock_guard lock(device_.submit_mutex());
     device_.synchronize();
     if (host_visible_ && !force_staging_) {
@@ -543,10 +543,8 @@ class HCQAllocator : public LRUAllocator {
   // Copies `size` bytes from `src` on src_device to `dest` on dest_device, ordered after the work
   // already submitted to both, on src_device's copy queue (the seed's transfer).
   static void transfer(Allocation dest, Allocation src, std::size_t size, Device& src_device, Device& dest_device) {
-    if (size > dest.size || size > src.size)
-      throw InvalidArgument(fmt::format("transfer of {} bytes runs past the end of the {} ({} bytes)", size,
-                                        size > dest.size ? "destination" : "source",
-                                        size > dest.size ? dest.size : src.size));
+    // Checked before a timeline value is taken: a value taken and never signalled hangs the device.
+    Device::copy_queue_type::check_copy(dest, src, size);
     std::scoped_lock lock(src_device.submit_mutex(), dest_device.submit_mutex());
     using Queue = typename Device::copy_queue_type;
     Queue q;
@@ -573,10 +571,7 @@ class HCQAllocator : public LRUAllocator {
 
   bool supports_offset() const noexcept override { return true; }
   Allocation offset(Allocation base, std::size_t size, std::size_t offset) override {
-    if (offset > base.size || size > base.size - offset)
-      throw InvalidArgument(fmt::format("{}: a view of {} bytes at offset {} does not fit in a {}-byte allocation",
-                                        describe(), size, offset, base.size));
-    return Allocation{base.va_addr + offset, size, base.backend};
+    return detail::sub_allocation(base, size, offset, describe());
   }
   std::optional<std::span<std::byte>> as_buffer(Allocation allocation) override {
     if (!host_visible_) return std::nullopt;
@@ -618,10 +613,6 @@ class HCQAllocator : public LRUAllocator {
     const std::uint64_t start = device_.profiling() ? Profiler::now_ns() : 0;
     host_copy(dest, src, size);
     if (start) Profiler::global().add({fmt::format("{} -> {}", from, to), start, Profiler::now_ns(), device_.name(), "DMA"});
-  }
-  void check_fits(std::size_t bytes, const Allocation& a, std::string_view what) const {
-    if (bytes > a.size)
-      throw InvalidArgument(fmt::format("{} of {} bytes with an allocation of {} bytes: too large", what, bytes, a.size));
   }
   void ensure_ring() {
     if (!ring_.empty()) return;

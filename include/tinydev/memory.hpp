@@ -21,6 +21,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <unordered_map>
 #include <vector>
 
@@ -85,6 +86,17 @@ class Allocator {
   virtual Allocation alloc_impl(std::size_t size, const BufferOptions& options) = 0;
   virtual void free_impl(Allocation allocation, std::size_t size, const BufferOptions& options) = 0;
 };
+
+namespace detail {
+// 64-byte-aligned host memory, never zero-filled; OutOfMemory naming `who` when it fails.
+Allocation alloc_host_memory(std::size_t size, std::string_view who);
+void free_host_memory(const Allocation& allocation) noexcept;
+// `base` narrowed to `size` bytes at `offset` (a view); InvalidArgument naming `who` if it does not
+// fit.
+Allocation sub_allocation(const Allocation& base, std::size_t size, std::size_t offset, std::string_view who);
+// InvalidArgument naming `who` when a `what` ("copyin", "copyout") of `bytes` exceeds `allocation`.
+void check_fits(std::size_t bytes, const Allocation& allocation, std::string_view what, std::string_view who);
+}  // namespace detail
 
 // Counters of an LRUAllocator, read together under its lock.
 struct LRUStats {

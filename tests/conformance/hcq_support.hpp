@@ -3,6 +3,7 @@
 
 #include "conformance.hpp"
 #include "cpu_hcq.hpp"
+#include "demo_kernels.hpp"
 
 namespace tinydev::testing {
 
@@ -37,13 +38,10 @@ inline const KernelSource kFill{
 
 // out[i] = a[i] * k for i < n
 inline const KernelSource kScale{
-    "define void @scale(ptr %out, ptr %a, i32 %k, i32 %n) {\nentry:\n  %empty = icmp sle i32 %n, 0\n"
-    "  br i1 %empty, label %exit, label %loop\nloop:\n  %i = phi i32 [ 0, %entry ], [ %next, %loop ]\n"
-    "  %idx = zext i32 %i to i64\n  %pa = getelementptr inbounds float, ptr %a, i64 %idx\n"
-    "  %va = load float, ptr %pa\n  %kf = sitofp i32 %k to float\n  %r = fmul float %va, %kf\n"
-    "  %po = getelementptr inbounds float, ptr %out, i64 %idx\n  store float %r, ptr %po\n"
-    "  %next = add i32 %i, 1\n  %done = icmp eq i32 %next, %n\n  br i1 %done, label %exit, label %loop\n"
-    "exit:\n  ret void\n}\n",
+    kernels::llvm_counted_loop("scale", "ptr %out, ptr %a, i32 %k, i32 %n",
+                               "  %pa = getelementptr inbounds float, ptr %a, i64 %idx\n"
+                               "  %va = load float, ptr %pa\n  %kf = sitofp i32 %k to float\n  %r = fmul float %va, %kf\n"
+                               "  %po = getelementptr inbounds float, ptr %out, i64 %idx\n  store float %r, ptr %po\n"),
     "void scale(float* out, const float* a, int k, int n) { for (int i = 0; i < n; i++) out[i] = a[i] * (float)k; }\n"};
 
 // A one-int32 buffer holding 0, and its value read back.

@@ -32,7 +32,6 @@ KernelSource many_args_kernel() {
   for (int j = 1; j <= 9; ++j) params += ", ptr %b" + std::to_string(j);
   params += ", i32 %k1, i32 %k2, i32 %k3, i32 %n";
   std::string body;
-  body += "  %idx = zext i32 %i to i64\n";
   for (int j = 1; j <= 9; ++j) {
     body += "  %p" + std::to_string(j) + " = getelementptr inbounds i32, ptr %b" + std::to_string(j) + ", i64 %idx\n";
     body += "  %v" + std::to_string(j) + " = load i32, ptr %p" + std::to_string(j) + "\n";
@@ -42,11 +41,7 @@ KernelSource many_args_kernel() {
     body += "  %s" + std::to_string(j) + " = add i32 %s" + std::to_string(j - 1) + ", %v" + std::to_string(j) + "\n";
   body += "  %m = mul i32 %s9, %k1\n  %a2 = add i32 %m, %k2\n  %r = sub i32 %a2, %k3\n";
   body += "  %po = getelementptr inbounds i32, ptr %out, i64 %idx\n  store i32 %r, ptr %po\n";
-  k.llvm_ir = "define void @many(" + params + ") {\nentry:\n  %empty = icmp sle i32 %n, 0\n"
-              "  br i1 %empty, label %exit, label %loop\nloop:\n"
-              "  %i = phi i32 [ 0, %entry ], [ %next, %loop ]\n" + body +
-              "  %next = add i32 %i, 1\n  %done = icmp eq i32 %next, %n\n"
-              "  br i1 %done, label %exit, label %loop\nexit:\n  ret void\n}\n";
+  k.llvm_ir = kernels::llvm_counted_loop("many", params, body);
   std::string cparams = "int* restrict out";
   for (int j = 1; j <= 9; ++j) cparams += ", const int* restrict b" + std::to_string(j);
   cparams += ", int k1, int k2, int k3, int n";
@@ -58,31 +53,17 @@ KernelSource many_args_kernel() {
 }
 
 const KernelSource kMath{
-    R"(declare float @exp2f(float)
-declare float @llvm.sqrt.f32(float)
-define void @math(ptr %out, ptr %a, ptr %b, i32 %n) {
-entry:
-  %empty = icmp sle i32 %n, 0
-  br i1 %empty, label %exit, label %loop
-loop:
-  %i = phi i32 [ 0, %entry ], [ %next, %loop ]
-  %idx = zext i32 %i to i64
-  %pa = getelementptr inbounds float, ptr %a, i64 %idx
-  %pb = getelementptr inbounds float, ptr %b, i64 %idx
-  %va = load float, ptr %pa
-  %vb = load float, ptr %pb
-  %s = call float @llvm.sqrt.f32(float %va)
-  %e = call float @exp2f(float %vb)
-  %r = fadd float %s, %e
-  %po = getelementptr inbounds float, ptr %out, i64 %idx
-  store float %r, ptr %po
-  %next = add i32 %i, 1
-  %done = icmp eq i32 %next, %n
-  br i1 %done, label %exit, label %loop
-exit:
-  ret void
-}
-)",
+    "declare float @exp2f(float)\ndeclare float @llvm.sqrt.f32(float)\n" +
+        kernels::llvm_counted_loop("math", "ptr %out, ptr %a, ptr %b, i32 %n",
+                                   "  %pa = getelementptr inbounds float, ptr %a, i64 %idx\n"
+                                   "  %pb = getelementptr inbounds float, ptr %b, i64 %idx\n"
+                                   "  %va = load float, ptr %pa\n"
+                                   "  %vb = load float, ptr %pb\n"
+                                   "  %s = call float @llvm.sqrt.f32(float %va)\n"
+                                   "  %e = call float @exp2f(float %vb)\n"
+                                   "  %r = fadd float %s, %e\n"
+                                   "  %po = getelementptr inbounds float, ptr %out, i64 %idx\n"
+                                   "  store float %r, ptr %po\n"),
     "float sqrtf(float);\nfloat exp2f(float);\n"
     "void math(float* restrict out, const float* restrict a, const float* restrict b, int n) {\n"
     "  for (int i = 0; i < n; i++) out[i] = sqrtf(a[i]) + exp2f(b[i]);\n}\n"};
@@ -90,39 +71,27 @@ exit:
 // half and bfloat16 conversions from float and from double: these call the conversion helpers
 // (__truncdfhf2, __truncdfbf2, ...) that the loader must resolve.
 const KernelSource kConvert{
-    R"(define void @convert(ptr %h_from_f, ptr %h_from_d, ptr %bf_from_f, ptr %bf_from_d, ptr %f_from_h, ptr %f, ptr %d, i32 %n) {
-entry:
-  %empty = icmp sle i32 %n, 0
-  br i1 %empty, label %exit, label %loop
-loop:
-  %i = phi i32 [ 0, %entry ], [ %next, %loop ]
-  %idx = zext i32 %i to i64
-  %pf = getelementptr inbounds float, ptr %f, i64 %idx
-  %pd = getelementptr inbounds double, ptr %d, i64 %idx
-  %vf = load float, ptr %pf
-  %vd = load double, ptr %pd
-  %h1 = fptrunc float %vf to half
-  %h2 = fptrunc double %vd to half
-  %b1 = fptrunc float %vf to bfloat
-  %b2 = fptrunc double %vd to bfloat
-  %back = fpext half %h1 to float
-  %q1 = getelementptr inbounds half, ptr %h_from_f, i64 %idx
-  store half %h1, ptr %q1
-  %q2 = getelementptr inbounds half, ptr %h_from_d, i64 %idx
-  store half %h2, ptr %q2
-  %q3 = getelementptr inbounds bfloat, ptr %bf_from_f, i64 %idx
-  store bfloat %b1, ptr %q3
-  %q4 = getelementptr inbounds bfloat, ptr %bf_from_d, i64 %idx
-  store bfloat %b2, ptr %q4
-  %q5 = getelementptr inbounds float, ptr %f_from_h, i64 %idx
-  store float %back, ptr %q5
-  %next = add i32 %i, 1
-  %done = icmp eq i32 %next, %n
-  br i1 %done, label %exit, label %loop
-exit:
-  ret void
-}
-)",
+    kernels::llvm_counted_loop(
+        "convert", "ptr %h_from_f, ptr %h_from_d, ptr %bf_from_f, ptr %bf_from_d, ptr %f_from_h, ptr %f, ptr %d, i32 %n",
+        "  %pf = getelementptr inbounds float, ptr %f, i64 %idx\n"
+        "  %pd = getelementptr inbounds double, ptr %d, i64 %idx\n"
+        "  %vf = load float, ptr %pf\n"
+        "  %vd = load double, ptr %pd\n"
+        "  %h1 = fptrunc float %vf to half\n"
+        "  %h2 = fptrunc double %vd to half\n"
+        "  %b1 = fptrunc float %vf to bfloat\n"
+        "  %b2 = fptrunc double %vd to bfloat\n"
+        "  %back = fpext half %h1 to float\n"
+        "  %q1 = getelementptr inbounds half, ptr %h_from_f, i64 %idx\n"
+        "  store half %h1, ptr %q1\n"
+        "  %q2 = getelementptr inbounds half, ptr %h_from_d, i64 %idx\n"
+        "  store half %h2, ptr %q2\n"
+        "  %q3 = getelementptr inbounds bfloat, ptr %bf_from_f, i64 %idx\n"
+        "  store bfloat %b1, ptr %q3\n"
+        "  %q4 = getelementptr inbounds bfloat, ptr %bf_from_d, i64 %idx\n"
+        "  store bfloat %b2, ptr %q4\n"
+        "  %q5 = getelementptr inbounds float, ptr %f_from_h, i64 %idx\n"
+        "  store float %back, ptr %q5\n"),
     "void convert(_Float16* h_from_f, _Float16* h_from_d, __bf16* bf_from_f, __bf16* bf_from_d,\n"
     "             float* f_from_h, const float* f, const double* d, int n) {\n"
     "  for (int i = 0; i < n; i++) {\n"
