@@ -9,6 +9,17 @@
 
 namespace tinydev {
 
+namespace {
+// count * itemsize, or InvalidArgument naming the numbers when it does not fit in 64 bits.
+std::size_t checked_bytes(std::size_t count, DType dtype, std::string_view what) {
+  std::size_t bytes = 0;
+  if (__builtin_mul_overflow(count, std::size_t{dtype.itemsize}, &bytes))
+    throw InvalidArgument(fmt::format("{} of {} x {} ({} bytes each) overflows 64 bits: ask for fewer elements",
+                                      what, count, dtype.name, dtype.itemsize));
+  return bytes;
+}
+}  // namespace
+
 struct Buffer::State {
   std::string device;
   std::size_t size = 0;
@@ -19,15 +30,19 @@ struct Buffer::State {
   std::optional<Allocation> buf;
   std::shared_ptr<Allocator> allocator;  // keeps the allocator alive while we hold memory
   std::int64_t lb_refcount = 0;
+  // What the allocator handed the memory out as (an adopted allocation may be larger than nbytes):
+  // the size and options it is freed with.
+  std::size_t alloc_bytes = 0;
+  BufferOptions alloc_options;
 
-  std::size_t nbytes() const noexcept { return size * dtype.itemsize; }
+  std::size_t nbytes() const noexcept { return size * dtype.itemsize; }  // checked at construction
   bool counts_memory() const noexcept { return !device.starts_with("DISK"); }
 
   ~State() {
     if (!buf || base) return;
     if (counts_memory()) GlobalCounters::mem_used -= static_cast<std::int64_t>(nbytes());
     try {
-      allocator->free(*buf, nbytes(), options);
+      allocator->free(*buf, alloc_bytes, alloc_options);
     } catch (const std::exception& e) {
       debug_log(1, "tinydev: freeing a {}-byte buffer on {} failed: {}", nbytes(), device, e.what());
     }
@@ -54,12 +69,29 @@ struct Buffer::State {
               "cannot adopt an allocation of {} bytes for a buffer of {} bytes on {}: adopt one at "
               "least as large",
               opaque->size, nbytes(), device));
+        // The buffer frees what it adopts, so it must be an allocation this device's allocator
+        // handed out: freeing anything else would be a double free or a foreign pointer.
+        std::optional<Allocator::LiveInfo> info = alloc->live_info(*opaque);
+        if (!info)
+          throw InvalidArgument(fmt::format(
+              "cannot adopt the allocation at {:#x} on {}: {} did not hand it out (or it was freed); "
+              "a buffer frees what it adopts, so adopt only live allocations of this device's allocator",
+              opaque->va_addr, device, alloc->describe()));
+        if (info->size < nbytes())
+          throw InvalidArgument(fmt::format(
+              "cannot adopt an allocation of {} bytes for a buffer of {} bytes on {}: adopt one at "
+              "least as large",
+              info->size, nbytes(), device));
         buf = *opaque;
+        alloc_bytes = info->size;
+        alloc_options = info->options;
       } else {
         if (nbytes() == 0)
           throw InvalidArgument(fmt::format(
               "can't allocate a 0-byte buffer on {}: allocate at least one element", device));
         buf = alloc->alloc(nbytes(), options);
+        alloc_bytes = nbytes();
+        alloc_options = options;
       }
       if (counts_memory()) GlobalCounters::mem_used += static_cast<std::int64_t>(nbytes());
     }
@@ -74,6 +106,7 @@ Buffer::Buffer(std::string_view device, std::size_t size, DType dtype, Params pa
     : state_(std::make_shared<State>()) {
   State& s = *state_;
   s.device = canonicalize(device);
+  checked_bytes(size, dtype, fmt::format("a buffer on {}", s.device));
   s.size = size;
   s.dtype = dtype;
   s.options = params.options;
@@ -161,10 +194,11 @@ Buffer Buffer::view(std::size_t size, DType dtype, std::size_t offset) const {
     throw InvalidArgument(fmt::format(
         "view offset {} is out of range: offset must be less than nbytes ({}) of the buffer",
         offset, nbytes()));
-  if (size * dtype.itemsize > nbytes() - offset)
+  const std::size_t view_bytes = checked_bytes(size, dtype, "a view");
+  if (view_bytes > nbytes() - offset)
     throw InvalidArgument(fmt::format(
         "view of {} x {} ({} bytes) at offset {} runs past the end of a {}-byte buffer", size,
-        dtype.name, size * dtype.itemsize, offset, nbytes()));
+        dtype.name, view_bytes, offset, nbytes()));
   auto v = std::make_shared<State>();
   v->device = state_->device;
   v->size = size;

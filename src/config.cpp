@@ -7,22 +7,27 @@
 #include <charconv>
 #include <cstdlib>
 #include <map>
+#include <set>
 #include <memory>
 #include <mutex>
 
+#include "tinydev/counters.hpp"
 #include "tinydev/error.hpp"
 #include "tinydev/registry.hpp"
+
+extern char** environ;
 
 namespace tinydev {
 
 namespace {
 
 constexpr std::string_view kVariables[] = {
-    "TINYDEV_DEVICE",         "TINYDEV_DEBUG",     "TINYDEV_LRU",
+    "TINYDEV_DEVICE",         "TINYDEV_DEBUG",           "TINYDEV_LRU",
     "TINYDEV_LRU_MAX_BYTES",  "TINYDEV_DISABLE_COMPILER_CACHE",
-    "TINYDEV_ASSERT_COMPILE", "TINYDEV_CACHE_DIR", "TINYDEV_CACHE_MAX_BYTES",
-    "TINYDEV_PROFILE",        "TINYDEV_CPU_THREADS",
+    "TINYDEV_ASSERT_COMPILE", "TINYDEV_CACHE_DIR",       "TINYDEV_CACHE_MAX_BYTES",
+    "TINYDEV_PROFILE",        "TINYDEV_CPU_THREADS",     "TINYDEV_COMPILE_TIMEOUT",
 };
+constexpr std::string_view kPrefix = "TINYDEV_";
 
 using RawValues = std::map<std::string, std::optional<std::string>, std::less<>>;
 
@@ -38,6 +43,7 @@ struct State {
   RawValues overrides;    // active ScopedOverride values (nullopt = forced unset)
   std::vector<std::unique_ptr<Settings>> snapshots;
   std::atomic<const Settings*> current{nullptr};
+  std::set<std::string, std::less<>> warned_unknown;  // unknown TINYDEV_* names already reported
 };
 
 State& state() {
@@ -67,14 +73,23 @@ std::optional<std::string> lookup(const State& s, std::string_view var) {
   return std::nullopt;
 }
 
-Settings parse(const State& s) {
+// A path setting: any bytes but NUL and control characters, which a C path would truncate at (NUL)
+// or which no sane file name has; either way a silent change of meaning.
+std::string parse_path(std::string_view var, const std::string& v) {
+  if (has_control_characters(v))
+    throw InvalidArgument(fmt::format(
+        "{}='{}' holds a NUL or control character: set it to a plain path", var, quote_for_message(v)));
+  return v;
+}
+
+template <class Get>
+Settings parse_with(Get get) {
   Settings out;
-  auto get = [&](std::string_view var) { return lookup(s, var); };
   if (auto v = get("TINYDEV_DEVICE"); v && !v->empty()) {
     try {
       out.device = canonicalize(*v);
     } catch (const InvalidArgument& e) {
-      throw InvalidArgument(fmt::format("TINYDEV_DEVICE='{}' is not a device name: {}", *v, e.what()));
+      throw InvalidArgument(fmt::format("TINYDEV_DEVICE is not a device name: {}", e.what()));
     }
   }
   if (auto v = get("TINYDEV_DEBUG"); v && !v->empty()) out.debug = parse_int("TINYDEV_DEBUG", *v, 0, 7);
@@ -87,11 +102,13 @@ Settings parse(const State& s) {
     out.assert_compile = parse_flag("TINYDEV_ASSERT_COMPILE", *v);
   if (auto v = get("TINYDEV_CACHE_MAX_BYTES"); v && !v->empty())
     out.cache_max_bytes = parse_byte_count(*v, "TINYDEV_CACHE_MAX_BYTES");
-  if (auto v = get("TINYDEV_PROFILE"); v && !v->empty()) out.profile = *v;
+  if (auto v = get("TINYDEV_PROFILE"); v && !v->empty()) out.profile = parse_path("TINYDEV_PROFILE", *v);
   if (auto v = get("TINYDEV_CPU_THREADS"); v && !v->empty())
     out.cpu_threads = parse_int("TINYDEV_CPU_THREADS", *v, 1, 1024);
+  if (auto v = get("TINYDEV_COMPILE_TIMEOUT"); v && !v->empty())
+    out.compile_timeout_s = parse_int("TINYDEV_COMPILE_TIMEOUT", *v, 1, 86400);
   if (auto v = get("TINYDEV_CACHE_DIR"); v && !v->empty()) {
-    out.cache_dir = *v;
+    out.cache_dir = parse_path("TINYDEV_CACHE_DIR", *v);
   } else {
     // XDG_CACHE_HOME and HOME are not ours to override: read from the environment whenever a
     // snapshot is built (first use, overrides, reload_environment).
@@ -103,6 +120,43 @@ Settings parse(const State& s) {
   return out;
 }
 
+Settings parse(const State& s) {
+  return parse_with([&](std::string_view var) { return lookup(s, var); });
+}
+
+std::size_t edit_distance(std::string_view a, std::string_view b) {
+  std::vector<std::size_t> row(b.size() + 1);
+  for (std::size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (std::size_t i = 1; i <= a.size(); ++i) {
+    std::size_t diagonal = row[0];
+    row[0] = i;
+    for (std::size_t j = 1; j <= b.size(); ++j) {
+      const std::size_t up = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diagonal + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diagonal = up;
+    }
+  }
+  return row[b.size()];
+}
+
+// Note [Unknown variables]
+// A typo (TINYDEV_DEBGU=1) would otherwise be ignored without a word. Every TINYDEV_* name in the
+// environment that tinydev does not read gets one warning line on stderr, once per process per
+// name, naming the closest known variable. It is a warning, not an error: a newer tinydev's
+// variable in a shared environment must not stop an older one from running.
+void warn_unknown(State& s) {
+  for (char** e = environ; e && *e; ++e) {
+    std::string_view entry(*e);
+    if (!entry.starts_with(kPrefix)) continue;
+    std::string_view name = entry.substr(0, entry.find('='));
+    if (std::find(std::begin(kVariables), std::end(kVariables), name) != std::end(kVariables)) continue;
+    if (!s.warned_unknown.emplace(name).second) continue;
+    detail::write_log_line(fmt::format(
+        "tinydev: warning: {} is not a tinydev variable and is ignored; did you mean {}?",
+        quote_for_message(name), closest_known_variable(name)));
+  }
+}
+
 void read_environment(State& s) {
   s.environment.clear();
   for (std::string_view var : kVariables) {
@@ -110,6 +164,7 @@ void read_environment(State& s) {
     if (v) s.environment[std::string(var)] = std::string(v);
   }
   s.loaded = true;
+  warn_unknown(s);
 }
 
 // Builds and publishes a snapshot; on a parse error nothing changes. Caller holds the mutex.
@@ -121,11 +176,32 @@ void publish(State& s) {
 
 void check_known(std::string_view var) {
   if (std::find(std::begin(kVariables), std::end(kVariables), var) != std::end(kVariables)) return;
-  throw InvalidArgument(fmt::format("'{}' is not a tinydev variable: known are {}", var,
+  throw InvalidArgument(fmt::format("'{}' is not a tinydev variable (did you mean {}?): known are {}",
+                                    quote_for_message(var), closest_known_variable(var),
                                     fmt::join(kVariables, ", ")));
 }
 
 }  // namespace
+
+std::string_view closest_known_variable(std::string_view name) {
+  std::string_view best = kVariables[0];
+  std::size_t best_distance = SIZE_MAX;
+  for (std::string_view known : kVariables) {
+    const std::size_t d = edit_distance(name.substr(0, 64), known);
+    if (d < best_distance) {
+      best_distance = d;
+      best = known;
+    }
+  }
+  return best;
+}
+
+Settings detail::parse_settings(const std::map<std::string, std::string, std::less<>>& values) {
+  return parse_with([&](std::string_view var) -> std::optional<std::string> {
+    if (auto it = values.find(var); it != values.end()) return it->second;
+    return std::nullopt;
+  });
+}
 
 const Settings& settings() {
   State& s = state();

@@ -8,7 +8,7 @@
 #include <atomic>
 #include <cerrno>
 #include <cstring>
-#include <filesystem>
+#include <dirent.h>
 #include <memory>
 #include <mutex>
 #include <thread>
@@ -17,8 +17,6 @@
 #include "tinydev/compile.hpp"
 #include "tinydev/config.hpp"
 #include "tinydev/counters.hpp"
-
-namespace fs = std::filesystem;
 
 namespace tinydev {
 
@@ -33,6 +31,19 @@ namespace tinydev {
 // entry in a unique temporary file in the same folder and rename(2) it into place, which is atomic:
 // readers in any process see the old entry, no entry, or the new one, never a torn one.
 // Recency is the file's mtime, refreshed on every hit; the size bound evicts the oldest first.
+//
+// Note [Cache trust]
+// An entry is machine code this process will run, so the cache trusts only what this user wrote,
+// as ssh's StrictModes does for authorized_keys. The folder is created 0700 (each missing parent
+// too) and entries 0600. The disk layer is used only when the folder, opened once and then used
+// through that descriptor (openat/renameat/unlinkat, so a path swapped later changes nothing), is a
+// directory owned by the effective uid and writable by nobody else; otherwise the process caches
+// in memory only, says so once at TINYDEV_DEBUG>=1 and counts it in stats().rejected_folders.
+// An entry is opened O_NOFOLLOW|O_NONBLOCK (a symlink fails, a FIFO does not block) and checked
+// on that descriptor: a regular file, owned by the effective uid, not group/other-writable, at
+// most kMaxEntryBytes long; it is read only up to the size fstat gave. Anything else is a plain,
+// fast miss counted in stats().rejected_entries. The checksum protects against corruption only: it
+// is not a secret, anyone can compute it. No std:: exception leaves the cache: a failure is a miss.
 
 namespace {
 
@@ -40,6 +51,12 @@ constexpr char kMagic[8] = {'T', 'D', 'V', 'C', 'A', 'C', 'H', 'E'};
 constexpr std::uint32_t kVersion = 1;
 constexpr std::size_t kHeader = 8 + 4 + 4 + 8 + 8;
 constexpr std::size_t kMemoryLayerBytes = 64u << 20;
+// No real entry is this large (a kernel's source, key and object code): a bigger file is a miss
+// without a byte read, and a bigger blob is kept in memory only.
+constexpr std::uint64_t kMaxEntryBytes = 64ull << 20;
+// Note [Cache low-water mark]: the bound evicts down to 3/4 of itself, so the next rescan of the
+// folder comes only after a quarter of the bound has been written again (amortized, not per write).
+constexpr std::uint64_t low_water(std::uint64_t bound) { return bound / 4 * 3; }
 
 std::string full_key(std::string_view key, std::string_view identity, std::string_view source) {
   std::string out;
@@ -81,6 +98,16 @@ bool write_all(int fd, const char* p, std::size_t n) {
   return true;
 }
 
+struct Fd {
+  int fd = -1;
+  explicit Fd(int f = -1) : fd(f) {}
+  Fd(const Fd&) = delete;
+  Fd& operator=(const Fd&) = delete;
+  ~Fd() {
+    if (fd >= 0) ::close(fd);
+  }
+};
+
 bool read_all(int fd, unsigned char* p, std::size_t n) {
   while (n > 0) {
     ssize_t r = ::read(fd, p, n);
@@ -92,12 +119,49 @@ bool read_all(int fd, unsigned char* p, std::size_t n) {
   return true;
 }
 
+// Why the entry or folder behind `st` is not trusted, or "" when it is.
+std::string distrust(const struct stat& st, bool want_directory) {
+  if (want_directory ? !S_ISDIR(st.st_mode) : !S_ISREG(st.st_mode))
+    return want_directory ? "is not a folder" : "is not a regular file";
+  if (st.st_uid != ::geteuid())
+    return fmt::format("is owned by uid {}, not by this user (uid {})", st.st_uid, ::geteuid());
+  if (st.st_mode & (S_IWGRP | S_IWOTH))
+    return fmt::format("is writable by {} (mode {:o})", (st.st_mode & S_IWOTH) ? "others" : "its group",
+                       st.st_mode & 07777);
+  return {};
+}
+
 }  // namespace
+
+detail::CacheEntryCheck detail::check_cache_entry(std::span<const std::byte> file, std::string_view full,
+                                                  std::span<const std::byte>& blob) {
+  const auto* p = reinterpret_cast<const unsigned char*>(file.data());
+  const std::size_t file_size = file.size();
+  if (file_size < kHeader + 8) return CacheEntryCheck::corrupt;
+  const auto key_len = get_le<std::uint64_t>(p + 16);
+  const auto blob_len = get_le<std::uint64_t>(p + 24);
+  if (std::memcmp(p, kMagic, 8) != 0 || get_le<std::uint32_t>(p + 8) != kVersion ||
+      get_le<std::uint32_t>(p + 12) != 0 || key_len > file_size || blob_len > file_size ||
+      kHeader + key_len + blob_len + 8 != file_size)
+    return CacheEntryCheck::corrupt;
+  if (XXH3_64bits(p, file_size - 8) != get_le<std::uint64_t>(p + file_size - 8)) return CacheEntryCheck::corrupt;
+  if (key_len != full.size() || std::memcmp(p + kHeader, full.data(), key_len) != 0)
+    return CacheEntryCheck::other_key;  // a hash collision: another key's entry, intact
+  blob = file.subspan(kHeader + key_len, blob_len);
+  return CacheEntryCheck::ok;
+}
+
+std::string detail::cache_full_key(std::string_view key, std::string_view identity, std::string_view source) {
+  return full_key(key, identity, source);
+}
 
 struct DiskCache::Impl {
   std::mutex mutex;
   std::string folder;        // as configured
-  bool folder_ready = false; // exists and we created or found it
+  // The folder, opened and checked once; entries are reached through it (openat), so a path
+  // component swapped after the check cannot redirect reads or writes. Shared so that a reader
+  // outside the lock keeps it open while another thread switches folders.
+  std::shared_ptr<Fd> dir;
   bool folder_checked = false;
   bool warned = false;
   std::int64_t disk_bytes = -1;  // estimate of the folder's size; -1 = not scanned yet
@@ -117,39 +181,54 @@ struct DiskCache::Impl {
     debug_log(1, "tinydev: compile cache {}; entries are kept in memory only where this fails", what);
   }
 
+  // Creates `path` 0700, and each missing parent 0700 (these are tinydev's to protect). Returns
+  // the first error, or 0.
+  static int make_folder(const std::string& path) {
+    if (::mkdir(path.c_str(), 0700) == 0 || errno == EEXIST) return 0;
+    if (errno != ENOENT) return errno;
+    const std::size_t slash = path.find_last_of('/');
+    if (slash == std::string::npos || slash == 0) return ENOENT;
+    if (int err = make_folder(path.substr(0, slash))) return err;
+    return (::mkdir(path.c_str(), 0700) == 0 || errno == EEXIST) ? 0 : errno;
+  }
+
   // Caller holds mutex. Re-checks when TINYDEV_CACHE_DIR changed (scoped overrides in tests).
-  bool ready_folder() {
+  std::shared_ptr<Fd> ready_folder() {
     const std::string& want = settings().cache_dir;
-    if (want != folder || !folder_checked) {
-      folder = want;
-      folder_checked = true;
-      folder_ready = false;
-      disk_bytes = -1;
-      memory.clear();
-      memory_bytes = 0;
-      warned = false;
-      if (folder.empty()) {
-        warn_once("has no folder (TINYDEV_CACHE_DIR, XDG_CACHE_HOME and HOME are unset)");
-        return false;
-      }
-      // One mkdir(2) in the common case (the folder exists); the full walk only when a parent is
-      // missing. Writability shows at each put: a failed write leaves that entry in memory only.
-      if (::mkdir(folder.c_str(), 0755) != 0 && errno != EEXIST) {
-        std::error_code ec;
-        fs::create_directories(folder, ec);
-        if (ec) {
-          warn_once(fmt::format("folder '{}' cannot be created ({})", folder, ec.message()));
-          return false;
-        }
-      }
-      struct stat st {};
-      if (::stat(folder.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
-        warn_once(fmt::format("path '{}' is not a folder", folder));
-        return false;
-      }
-      folder_ready = true;
+    if (want == folder && folder_checked) return dir;
+    folder = want;
+    folder_checked = true;
+    dir.reset();
+    disk_bytes = -1;
+    memory.clear();
+    memory_bytes = 0;
+    warned = false;
+    if (folder.empty()) {
+      warn_once("has no folder (TINYDEV_CACHE_DIR, XDG_CACHE_HOME and HOME are unset)");
+      return nullptr;
     }
-    return folder_ready;
+    if (int err = make_folder(folder)) {
+      warn_once(fmt::format("folder '{}' cannot be created ({})", folder, std::strerror(err)));
+      return nullptr;
+    }
+    auto fd = std::make_shared<Fd>(::open(folder.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+    struct stat st {};
+    if (fd->fd < 0 || ::fstat(fd->fd, &st) != 0) {
+      warn_once(fmt::format("path '{}' is not a folder that can be opened ({})", folder, std::strerror(errno)));
+      return nullptr;
+    }
+    if (std::string why = distrust(st, true); !why.empty()) {
+      stats.rejected_folders += 1;
+      // Not subject to TINYDEV_DEBUG's "once it printed" rule: this is a security decision the user
+      // should hear about whenever logs are on.
+      warn_once(fmt::format("folder '{}' {}: it is not used, since any code in it would run as this "
+                            "user (Note [Cache trust]); chmod go-w it or set TINYDEV_CACHE_DIR to a "
+                            "folder of your own",
+                            folder, why));
+      return nullptr;
+    }
+    dir = std::move(fd);
+    return dir;
   }
 
   void remember(const std::string& name, std::string full, std::shared_ptr<const Blob> blob) {
@@ -165,42 +244,49 @@ struct DiskCache::Impl {
     memory[name] = MemoryEntry{std::move(full), std::move(blob)};
   }
 
-  // Caller holds mutex; folder is ready. Keeps the folder under the byte bound.
-  void enforce_bound(std::uint64_t max_bytes) {
+  // Caller holds mutex; `folder_fd` is the ready folder. Keeps the folder under the byte bound:
+  // rescans only when the running estimate is unknown or over the bound, then evicts oldest first
+  // down to the low-water mark.
+  void enforce_bound(const Fd& folder_fd, std::uint64_t max_bytes) {
     if (disk_bytes >= 0 && static_cast<std::uint64_t>(disk_bytes) <= max_bytes) return;
     struct File {
-      fs::path path;
+      std::string name;
       std::uint64_t size;
-      fs::file_time_type mtime;
+      std::int64_t mtime_ns;
     };
     std::vector<File> files;
     std::uint64_t total = 0;
-    std::error_code ec;
-    const auto now = fs::file_time_type::clock::now();
-    for (const auto& de : fs::directory_iterator(folder, ec)) {
-      std::error_code e2;
-      if (!de.is_regular_file(e2)) continue;
-      std::string fname = de.path().filename().string();
-      auto mtime = de.last_write_time(e2);
-      if (e2) continue;
-      if (fname.starts_with(".tmp-")) {
+    const int scan_fd = ::dup(folder_fd.fd);
+    DIR* d = scan_fd >= 0 ? ::fdopendir(scan_fd) : nullptr;
+    if (!d) {
+      if (scan_fd >= 0) ::close(scan_fd);
+      return;
+    }
+    ::rewinddir(d);
+    struct timespec now {};
+    ::clock_gettime(CLOCK_REALTIME, &now);
+    while (const dirent* de = ::readdir(d)) {
+      std::string_view fname(de->d_name);
+      const bool temp = fname.starts_with(".tmp-");
+      if (!temp && !fname.ends_with(".tdc")) continue;
+      struct stat st {};
+      if (::fstatat(folder_fd.fd, de->d_name, &st, AT_SYMLINK_NOFOLLOW) != 0) continue;
+      if (temp) {
         // A writer that died between create and rename leaves these; an hour is long enough.
-        if (now - mtime > std::chrono::hours(1)) fs::remove(de.path(), e2);
+        if (S_ISREG(st.st_mode) && now.tv_sec - st.st_mtim.tv_sec > 3600) ::unlinkat(folder_fd.fd, de->d_name, 0);
         continue;
       }
-      if (!fname.ends_with(".tdc")) continue;
-      std::uint64_t size = de.file_size(e2);
-      if (e2) continue;
-      files.push_back({de.path(), size, mtime});
+      const std::uint64_t size = S_ISREG(st.st_mode) ? static_cast<std::uint64_t>(st.st_size) : 0;
+      files.push_back({std::string(fname), size, st.st_mtim.tv_sec * 1'000'000'000ll + st.st_mtim.tv_nsec});
       total += size;
     }
+    ::closedir(d);
     if (total > max_bytes) {
-      std::sort(files.begin(), files.end(),
-                [](const File& a, const File& b) { return a.mtime < b.mtime; });
+      std::sort(files.begin(), files.end(), [](const File& a, const File& b) { return a.mtime_ns < b.mtime_ns; });
+      const std::uint64_t target = low_water(max_bytes);
       for (const File& f : files) {
-        if (total <= max_bytes) break;
-        std::error_code e2;
-        if (fs::remove(f.path, e2)) {
+        if (total <= target) break;
+        if (::unlinkat(folder_fd.fd, f.name.c_str(), 0) == 0) {
           total -= f.size;
           stats.evictions += 1;
         }
@@ -208,6 +294,9 @@ struct DiskCache::Impl {
     }
     disk_bytes = static_cast<std::int64_t>(total);
   }
+
+  std::optional<Blob> get(std::string_view key, std::string_view identity, std::string_view source);
+  void put(std::string_view key, std::string_view identity, std::string_view source, std::span<const std::byte> blob);
 };
 
 DiskCache::DiskCache() : impl_(new Impl) {}
@@ -241,73 +330,106 @@ std::string DiskCache::entry_path(std::string_view key, std::string_view identit
 
 std::optional<Blob> DiskCache::get(std::string_view key, std::string_view identity,
                                    std::string_view source) {
-  std::string full = full_key(key, identity, source);
-  std::string name = hex_name(full);
-  std::string path;
-  {
-    std::lock_guard lock(impl_->mutex);
-    bool disk = impl_->ready_folder();
-    if (auto it = impl_->memory.find(name); it != impl_->memory.end() && it->second.full == full) {
-      impl_->stats.memory_hits += 1;
-      return *it->second.blob;
-    }
-    if (!disk) {
-      impl_->stats.misses += 1;
-      return std::nullopt;
-    }
-    path = fmt::format("{}/{}.tdc", impl_->folder, name);
-  }
-  // File I/O happens outside the lock.
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  auto miss = [&](bool corrupt) -> std::optional<Blob> {
-    if (fd >= 0) ::close(fd);
+  try {
+    return impl_->get(key, identity, source);
+  } catch (const std::exception&) {
+    // Out of memory or a formatting failure: a miss, never an escape (Note [Cache trust]).
     std::lock_guard lock(impl_->mutex);
     impl_->stats.misses += 1;
-    if (corrupt) {
-      impl_->stats.corrupt += 1;
-      debug_log(1, "tinydev: compile cache entry {} failed verification; recompiling", path);
-    }
     return std::nullopt;
-  };
-  if (fd < 0) return miss(false);
-  struct stat st {};
-  if (::fstat(fd, &st) != 0) return miss(false);
-  const std::size_t file_size = static_cast<std::size_t>(st.st_size);
-  if (file_size < kHeader + 8) return miss(true);
-  std::vector<unsigned char> data(file_size);
-  if (!read_all(fd, data.data(), file_size)) return miss(true);
-  const unsigned char* p = data.data();
-  const auto key_len = get_le<std::uint64_t>(p + 16);
-  const auto blob_len = get_le<std::uint64_t>(p + 24);
-  if (std::memcmp(p, kMagic, 8) != 0 || get_le<std::uint32_t>(p + 8) != kVersion ||
-      key_len > file_size || blob_len > file_size || kHeader + key_len + blob_len + 8 != file_size)
-    return miss(true);
-  if (XXH3_64bits(p, file_size - 8) != get_le<std::uint64_t>(p + file_size - 8)) return miss(true);
-  if (key_len != full.size() || std::memcmp(p + kHeader, full.data(), key_len) != 0)
-    return miss(false);  // a hash collision: another key's entry, intact
-  ::futimens(fd, nullptr);  // refresh recency for the size bound; best effort
-  ::close(fd);
-  const auto* blob_begin = reinterpret_cast<const std::byte*>(p + kHeader + key_len);
-  auto blob = std::make_shared<const Blob>(blob_begin, blob_begin + blob_len);
-  std::lock_guard lock(impl_->mutex);
-  impl_->stats.disk_hits += 1;
-  impl_->remember(name, std::move(full), blob);
-  return *blob;
+  }
 }
 
 void DiskCache::put(std::string_view key, std::string_view identity, std::string_view source,
                     std::span<const std::byte> blob) {
+  try {
+    impl_->put(key, identity, source, blob);
+  } catch (const std::exception&) {
+    std::lock_guard lock(impl_->mutex);
+    impl_->stats.write_failures += 1;
+  }
+}
+
+std::optional<Blob> DiskCache::Impl::get(std::string_view key, std::string_view identity,
+                                         std::string_view source) {
   std::string full = full_key(key, identity, source);
   std::string name = hex_name(full);
-  std::string folder;
+  std::shared_ptr<Fd> folder_fd;
   {
-    std::lock_guard lock(impl_->mutex);
-    impl_->remember(name, full, std::make_shared<const Blob>(blob.begin(), blob.end()));
-    if (!impl_->ready_folder()) return;
-    folder = impl_->folder;
+    std::lock_guard lock(mutex);
+    folder_fd = ready_folder();
+    if (auto it = memory.find(name); it != memory.end() && it->second.full == full) {
+      stats.memory_hits += 1;
+      return *it->second.blob;
+    }
+    if (!folder_fd) {
+      stats.misses += 1;
+      return std::nullopt;
+    }
+  }
+  const std::string file = name + ".tdc";
+  // File I/O happens outside the lock.
+  enum class Outcome { absent, rejected, corrupt };
+  auto miss = [&](Outcome outcome, std::string_view why = {}) -> std::optional<Blob> {
+    std::lock_guard lock(mutex);
+    stats.misses += 1;
+    if (outcome == Outcome::corrupt) {
+      stats.corrupt += 1;
+      debug_log(1, "tinydev: compile cache entry {}/{} failed verification; recompiling", folder, file);
+    } else if (outcome == Outcome::rejected) {
+      stats.rejected_entries += 1;
+      debug_log(1, "tinydev: compile cache entry {}/{} {}: not loaded (Note [Cache trust]); recompiling",
+                folder, file, why);
+    }
+    return std::nullopt;
+  };
+  Fd fd(::openat(folder_fd->fd, file.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC));
+  if (fd.fd < 0) {
+    if (errno == ENOENT) return miss(Outcome::absent);
+    return miss(Outcome::rejected, fmt::format("cannot be opened safely ({})", std::strerror(errno)));
+  }
+  struct stat st {};
+  if (::fstat(fd.fd, &st) != 0) return miss(Outcome::rejected, "cannot be examined");
+  if (std::string why = distrust(st, false); !why.empty()) return miss(Outcome::rejected, why);
+  if (st.st_size < 0 || static_cast<std::uint64_t>(st.st_size) > kMaxEntryBytes)
+    return miss(Outcome::rejected, fmt::format("has {} bytes, more than any entry ({})", st.st_size, kMaxEntryBytes));
+  const std::size_t file_size = static_cast<std::size_t>(st.st_size);
+  std::vector<unsigned char> data(file_size);
+  if (!read_all(fd.fd, data.data(), file_size)) return miss(Outcome::corrupt);
+  std::span<const std::byte> stored;
+  switch (detail::check_cache_entry(std::as_bytes(std::span(data)), full, stored)) {
+    case detail::CacheEntryCheck::corrupt: return miss(Outcome::corrupt);
+    case detail::CacheEntryCheck::other_key: return miss(Outcome::absent);
+    case detail::CacheEntryCheck::ok: break;
+  }
+  ::futimens(fd.fd, nullptr);  // refresh recency for the size bound; best effort
+  auto blob = std::make_shared<const Blob>(stored.begin(), stored.end());
+  std::lock_guard lock(mutex);
+  stats.disk_hits += 1;
+  remember(name, std::move(full), blob);
+  return *blob;
+}
+
+void DiskCache::Impl::put(std::string_view key, std::string_view identity, std::string_view source,
+                          std::span<const std::byte> blob) {
+  std::string full = full_key(key, identity, source);
+  std::string name = hex_name(full);
+  std::shared_ptr<Fd> folder_fd;
+  {
+    std::lock_guard lock(mutex);
+    remember(name, full, std::make_shared<const Blob>(blob.begin(), blob.end()));
+    folder_fd = ready_folder();
+    if (!folder_fd) return;
+  }
+  const std::uint64_t entry_size = kHeader + full.size() + blob.size() + 8;
+  if (entry_size > kMaxEntryBytes) {
+    std::lock_guard lock(mutex);
+    stats.write_failures += 1;
+    warn_once(fmt::format("entry of {} bytes is over the {}-byte bound of an entry", entry_size, kMaxEntryBytes));
+    return;
   }
   std::string entry;
-  entry.reserve(kHeader + full.size() + blob.size() + 8);
+  entry.reserve(entry_size);
   entry.append(kMagic, 8);
   put_le<std::uint32_t>(entry, kVersion);
   put_le<std::uint32_t>(entry, 0);
@@ -317,30 +439,32 @@ void DiskCache::put(std::string_view key, std::string_view identity, std::string
   entry.append(reinterpret_cast<const char*>(blob.data()), blob.size());
   put_le<std::uint64_t>(entry, XXH3_64bits(entry.data(), entry.size()));
 
-  const std::string path = fmt::format("{}/{}.tdc", folder, name);
-  const std::string temp = fmt::format(
-      "{}/.tmp-{}-{}-{:x}-{}", folder, name, ::getpid(),
-      std::hash<std::thread::id>()(std::this_thread::get_id()), impl_->temp_counter.fetch_add(1));
+  const std::string file = name + ".tdc";
+  const std::string temp = fmt::format(".tmp-{}-{}-{:x}-{}", name, ::getpid(),
+                                       std::hash<std::thread::id>()(std::this_thread::get_id()),
+                                       temp_counter.fetch_add(1));
   int err = 0;
   auto step = [&err](bool ok) {
     if (!ok && err == 0) err = errno ? errno : EIO;  // the first failure's reason
     return ok;
   };
   errno = 0;
-  int fd = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+  int fd = ::openat(folder_fd->fd, temp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
   bool ok = step(fd >= 0) && step(write_all(fd, entry.data(), entry.size()));
   if (fd >= 0) ok = step(::close(fd) == 0) && ok;
-  ok = ok && step(::rename(temp.c_str(), path.c_str()) == 0);
-  std::lock_guard lock(impl_->mutex);
+  ok = ok && step(::renameat(folder_fd->fd, temp.c_str(), folder_fd->fd, file.c_str()) == 0);
+  std::lock_guard lock(mutex);
   if (!ok) {
-    ::unlink(temp.c_str());
-    impl_->stats.write_failures += 1;
-    impl_->warn_once(fmt::format("could not write '{}' ({})", path, std::strerror(err)));
+    if (fd >= 0) ::unlinkat(folder_fd->fd, temp.c_str(), 0);
+    stats.write_failures += 1;
+    warn_once(fmt::format("could not write '{}/{}' ({})", folder, file, std::strerror(err)));
     return;
   }
-  impl_->stats.writes += 1;
-  if (impl_->disk_bytes >= 0) impl_->disk_bytes += static_cast<std::int64_t>(entry.size());
-  impl_->enforce_bound(settings().cache_max_bytes);
+  stats.writes += 1;
+  // The estimate belongs to the folder in use now; a switch while we wrote reset it (and the fd).
+  if (folder_fd != dir) return;
+  if (disk_bytes >= 0) disk_bytes += static_cast<std::int64_t>(entry.size());
+  enforce_bound(*folder_fd, settings().cache_max_bytes);
 }
 
 }  // namespace tinydev

@@ -10,12 +10,28 @@
 namespace tinydev {
 
 Graph::Graph(std::vector<GraphNode> nodes) : nodes_(std::move(nodes)) {
+  // Input and variable numbers index replay arguments and size the graph's tables: bound them, so
+  // that `index + 1` cannot wrap and a stray number cannot make the graph allocate without end.
+  auto check_index = [](std::size_t index, std::size_t node, std::string_view what) {
+    if (index >= kMaxGraphIndex)
+      throw InvalidArgument(fmt::format("graph node {}: {} number {} is out of range: numbers run from 0 to {}",
+                                        node, what, index, kMaxGraphIndex - 1));
+  };
+  std::size_t node_index = 0;
   auto see = [&](const GraphBuffer& b) {
-    if (!b.fixed) num_inputs_ = std::max(num_inputs_, b.input + 1);
+    if (b.fixed) return;
+    check_index(b.input, node_index, "input");
+    num_inputs_ = std::max(num_inputs_, b.input + 1);
   };
   for (std::size_t i = 0; i < nodes_.size(); ++i) {
+    node_index = i;
     if (const auto* k = std::get_if<GraphKernel>(&nodes_[i])) {
       if (!k->program) throw InvalidArgument(fmt::format("graph node {}: a kernel node needs a program", i));
+      if (k->buffers.size() > kMaxGraphKernelArgs || k->values.size() > kMaxGraphKernelArgs)
+        throw InvalidArgument(fmt::format("graph node {}: kernel '{}' with {} buffers and {} values: a node takes "
+                                          "at most {} of each",
+                                          i, k->program->name(), k->buffers.size(), k->values.size(),
+                                          kMaxGraphKernelArgs));
       const bool grid = grid_size(k->launch.global) > 1;
       if (auto sig = k->program->signature(); sig && !sig->accepts(k->buffers.size(), k->values.size(), grid))
         throw InvalidArgument(fmt::format("graph node {}: kernel '{}' takes {} buffers and {} values, the node "
@@ -23,8 +39,11 @@ Graph::Graph(std::vector<GraphNode> nodes) : nodes_(std::move(nodes)) {
                                           i, k->program->name(), sig->num_buffers, sig->num_values,
                                           k->buffers.size(), k->values.size()));
       for (const GraphBuffer& b : k->buffers) see(b);
-      for (const GraphValue& v : k->values)
-        if (!v.constant) num_variables_ = std::max(num_variables_, v.variable + 1);
+      for (const GraphValue& v : k->values) {
+        if (v.constant) continue;
+        check_index(v.variable, i, "variable");
+        num_variables_ = std::max(num_variables_, v.variable + 1);
+      }
     } else {
       const auto& c = std::get<GraphCopy>(nodes_[i]);
       see(c.dest);

@@ -6,10 +6,58 @@
 #include <cstring>
 #include <new>
 
+#include <unistd.h>
+
 #include "tinydev/config.hpp"
 #include "tinydev/error.hpp"
 
 namespace tinydev {
+
+// ---- LiveAllocations ---------------------------------------------------------------------------
+
+void detail::LiveAllocations::grow() {
+  std::vector<Record> old = std::move(slots_);
+  slots_.assign(old.empty() ? 64 : old.size() * 2, Record{});
+  count_ = 0;
+  for (const Record& r : old)
+    if (r.size) insert(Allocation{r.va_addr, r.size, r.backend}, r.size, r.options);
+}
+
+void detail::LiveAllocations::insert(const Allocation& a, std::uint64_t size, std::uint8_t options) {
+  if ((count_ + 1) * 2 > slots_.size()) grow();  // at most half full: probes stay short
+  const std::size_t mask = slots_.size() - 1;
+  std::size_t i = slot_of(a.va_addr, a.backend);
+  while (slots_[i].size) i = (i + 1) & mask;
+  slots_[i] = Record{a.va_addr, a.backend, size, options};
+  ++count_;
+}
+
+const detail::LiveAllocations::Record* detail::LiveAllocations::find(const Allocation& a) const noexcept {
+  if (slots_.empty()) return nullptr;
+  const std::size_t mask = slots_.size() - 1;
+  for (std::size_t i = slot_of(a.va_addr, a.backend);; i = (i + 1) & mask) {
+    const Record& r = slots_[i];
+    if (!r.size) return nullptr;
+    if (r.va_addr == a.va_addr && r.backend == a.backend) return &r;
+  }
+}
+
+void detail::LiveAllocations::erase(const Record* record) noexcept {
+  // Backward-shift deletion: move later members of the probe run into the hole, so lookups never
+  // need tombstones and the table never degrades under churn.
+  const std::size_t mask = slots_.size() - 1;
+  std::size_t hole = static_cast<std::size_t>(record - slots_.data());
+  for (std::size_t i = (hole + 1) & mask; slots_[i].size; i = (i + 1) & mask) {
+    const std::size_t home = slot_of(slots_[i].va_addr, slots_[i].backend);
+    // Move it if its home is not in the cyclic range (hole, i].
+    if (((i - home) & mask) >= ((i - hole) & mask)) {
+      slots_[hole] = slots_[i];
+      hole = i;
+    }
+  }
+  slots_[hole] = Record{};
+  --count_;
+}
 
 // ---- Allocator ---------------------------------------------------------------------------------
 
@@ -17,11 +65,51 @@ Allocation Allocator::alloc(std::size_t size, const BufferOptions& options) {
   if (size == 0)
     throw InvalidArgument(fmt::format(
         "{}: alloc size must be positive, got 0: allocate at least one element", describe()));
-  return alloc_impl(size, options);
+  Allocation a = alloc_impl(size, options);
+  try {
+    std::lock_guard lock(mutex_);
+    live_.insert(a, size, options.bits());
+  } catch (...) {
+    free_impl(a, size, options);  // the record could not grow: hand nothing out
+    throw;
+  }
+  return a;
+}
+
+const detail::LiveAllocations::Record* Allocator::check_free(const Allocation& allocation, std::size_t size,
+                                                             const BufferOptions& options) {
+  const detail::LiveAllocations::Record* r = live_.find(allocation);
+  if (!r) [[unlikely]] {
+    ++rejected_frees_;
+    throw InvalidArgument(fmt::format(
+        "{}: free of an allocation at {:#x} ({} bytes) that this allocator did not hand out or that "
+        "was freed already: free each allocation once, on the allocator that made it (a view is "
+        "never freed, its base is)",
+        describe(), allocation.va_addr, size));
+  }
+  if (r->size != size || r->options != options.bits()) [[unlikely]] {
+    ++rejected_frees_;
+    throw InvalidArgument(fmt::format(
+        "{}: free of the allocation at {:#x} with {} bytes and options {:#x}, but it was allocated "
+        "with {} bytes and options {:#x}: pass the size and options it was allocated with",
+        describe(), allocation.va_addr, size, options.bits(), r->size, r->options));
+  }
+  return r;
 }
 
 void Allocator::free(Allocation allocation, std::size_t size, const BufferOptions& options) {
+  {
+    std::lock_guard lock(mutex_);
+    live_.erase(check_free(allocation, size, options));
+  }
   free_impl(allocation, size, options);
+}
+
+std::optional<Allocator::LiveInfo> Allocator::live_info(const Allocation& allocation) const {
+  std::lock_guard lock(mutex_);
+  if (const detail::LiveAllocations::Record* r = live_.find(allocation))
+    return LiveInfo{r->size, BufferOptions::from_bits(r->options)};
+  return std::nullopt;
 }
 
 Allocation Allocator::offset(Allocation, std::size_t, std::size_t) {
@@ -50,7 +138,20 @@ struct LRUAllocator::Entry {
   Entry* lru_older = nullptr;
 };
 
-LRUAllocator::LRUAllocator() = default;
+// Note [Default LRU bound]
+// The seed's cache has no bound: freed memory stays cached until an allocation fails. A server
+// whose request sizes vary keeps every size it ever saw (65 live buffers grew a process to 3.2 GB),
+// and on the host an allocation rarely fails before the machine swaps. So a cache is bounded by
+// default: 1/16 of physical memory, at most 2 GiB, which keeps the hot sizes of a serving loop
+// cached and returns the rest. TINYDEV_LRU_MAX_BYTES overrides it (0: no bound, the seed's way).
+std::uint64_t default_host_cache_bound() noexcept {
+  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
+  constexpr std::uint64_t kCeiling = 2ull << 30;
+  if (pages <= 0 || page <= 0) return 256ull << 20;  // unknown machine: a modest bound
+  return std::min<std::uint64_t>(kCeiling, static_cast<std::uint64_t>(pages) * static_cast<std::uint64_t>(page) / 16);
+}
+
+LRUAllocator::LRUAllocator() : default_max_bytes_(default_host_cache_bound()) {}
 LRUAllocator::~LRUAllocator() = default;
 
 LRUAllocator::Entry* LRUAllocator::new_entry() {
@@ -94,11 +195,14 @@ void LRUAllocator::evict_over_cap(std::uint64_t cap, std::vector<Entry>& out) {
 
 void LRUAllocator::release(std::vector<Entry>& entries) {
   for (const Entry& e : entries) {
-    BufferOptions opts{static_cast<bool>(e.key.options & 1), static_cast<bool>(e.key.options & 2),
-                       static_cast<bool>(e.key.options & 4), static_cast<bool>(e.key.options & 8)};
-    free_impl(e.allocation, e.key.size, opts);
+    free_impl(e.allocation, e.key.size, BufferOptions::from_bits(e.key.options));
   }
   entries.clear();
+}
+
+std::uint64_t LRUAllocator::max_bytes() const noexcept {
+  const std::optional<std::uint64_t>& set = settings().lru_max_bytes;
+  return set ? *set : default_max_bytes_;
 }
 
 Allocation LRUAllocator::alloc(std::size_t size, const BufferOptions& options) {
@@ -109,14 +213,27 @@ Allocation LRUAllocator::alloc(std::size_t size, const BufferOptions& options) {
     if (it != buckets_.end() && it->second.newest) {
       Entry* e = it->second.newest;
       Allocation a = e->allocation;
+      live_.insert(a, size, options.bits());  // may throw bad_alloc: then nothing changed
       unlink(e);
       stats_.hits += 1;
       return a;
     }
     stats_.misses += 1;
   }
+  // A fresh allocation from the backend, recorded as live; if recording fails it goes back.
+  auto fresh = [&] {
+    Allocation a = alloc_impl(size, options);
+    try {
+      std::lock_guard lock(mutex_);
+      live_.insert(a, size, options.bits());
+    } catch (...) {
+      free_impl(a, size, options);
+      throw;
+    }
+    return a;
+  };
   try {
-    return alloc_impl(size, options);
+    return fresh();
   } catch (const OutOfMemory&) {
   } catch (const std::bad_alloc&) {
   }
@@ -129,7 +246,7 @@ Allocation LRUAllocator::alloc(std::size_t size, const BufferOptions& options) {
   }
   free_cache();
   try {
-    return alloc_impl(size, options);
+    return fresh();
   } catch (const OutOfMemory& e) {
     throw OutOfMemory(fmt::format(
         "{}: out of memory allocating {} bytes, even after freeing {} cached bytes and "
@@ -146,15 +263,18 @@ Allocation LRUAllocator::alloc(std::size_t size, const BufferOptions& options) {
 void LRUAllocator::free(Allocation allocation, std::size_t size, const BufferOptions& options) {
   const Settings& cfg = settings();
   if (!cfg.lru || options.nolru) {
-    free_impl(allocation, size, options);
+    Allocator::free(allocation, size, options);
     return;
   }
+  const std::uint64_t cap = cfg.lru_max_bytes ? *cfg.lru_max_bytes : default_max_bytes_;
   std::vector<Entry> evicted;  // empty unless the byte cap is hit: no allocation otherwise
   {
     std::lock_guard lock(mutex_);
+    const detail::LiveAllocations::Record* record = check_free(allocation, size, options);
     Key key{size, options.bits()};
-    Bucket& bucket = buckets_[key];
+    Bucket& bucket = buckets_[key];  // these two may throw bad_alloc: nothing has changed yet
     Entry* e = new_entry();
+    live_.erase(record);
     e->allocation = allocation;
     e->key = key;
     e->bucket = &bucket;
@@ -167,8 +287,7 @@ void LRUAllocator::free(Allocation allocation, std::size_t size, const BufferOpt
     lru_newest_ = e;
     stats_.bytes_cached += size;
     stats_.entries_cached += 1;
-    if (cfg.lru_max_bytes && stats_.bytes_cached > cfg.lru_max_bytes)
-      evict_over_cap(cfg.lru_max_bytes, evicted);
+    if (cap && stats_.bytes_cached > cap) evict_over_cap(cap, evicted);
   }
   release(evicted);
 }
@@ -185,8 +304,13 @@ void LRUAllocator::free_cache() {
 }
 
 LRUStats LRUAllocator::stats() const {
+  const std::uint64_t bound = max_bytes();
   std::lock_guard lock(mutex_);
-  return stats_;
+  LRUStats out = stats_;
+  out.max_bytes = bound;
+  out.live_allocations = live_.size();
+  out.rejected_frees = rejected_frees_;
+  return out;
 }
 
 // ---- host memory helpers ----------------------------------------------------------------------

@@ -31,8 +31,11 @@ constinit DeviceRegistry Device;
 
 namespace {
 
+constexpr std::size_t kMaxTypeLength = 32;
+
 bool valid_type(std::string_view type) {
-  if (type.empty() || !std::isalpha(static_cast<unsigned char>(type.front()))) return false;
+  if (type.empty() || type.size() > kMaxTypeLength || !std::isalpha(static_cast<unsigned char>(type.front())))
+    return false;
   return std::all_of(type.begin(), type.end(),
                      [](char c) { return std::isalnum(static_cast<unsigned char>(c)) || c == '_'; });
 }
@@ -41,33 +44,81 @@ std::string type_of(const std::string& canonical) {
   return canonical.substr(0, canonical.find(':'));
 }
 
+// Types whose suffix is an ordinal whether or not this build has them, so that a name means the
+// same in every build ("cuda:0:0" is an error everywhere, not "CUDA:0" here and "CUDA" there).
+constexpr std::string_view kOrdinalTypes[] = {"CUDA", "LLVM", "CLANG", "NULL"};
+constexpr std::string_view kPathTypes[] = {"DISK"};
+
+// The ordinal in `suffix`, or an InvalidArgument naming `name`.
+unsigned parse_ordinal(std::string_view name, std::string_view type, std::string_view suffix) {
+  const bool digits = std::all_of(suffix.begin(), suffix.end(),
+                                  [](char c) { return c >= '0' && c <= '9'; });
+  if (!digits || (suffix.size() > 1 && suffix.front() == '0') || suffix.size() > 3 ||
+      std::stoul(std::string(suffix)) > kMaxDeviceOrdinal)
+    throw InvalidArgument(fmt::format(
+        "malformed device name '{}': a {} device is named by a plain decimal ordinal from 0 to {} "
+        "after the ':' (as in \"{}:1\"), got '{}'",
+        quote_for_message(name), type, kMaxDeviceOrdinal, type, quote_for_message(suffix, 40)));
+  return static_cast<unsigned>(std::stoul(std::string(suffix)));
+}
+
 }  // namespace
 
 std::string canonicalize(std::string_view name) {
   if (name.empty())
     throw InvalidArgument("empty device name: use a name such as \"LLVM\", \"CLANG\" or \"CUDA:1\"");
+  if (has_control_characters(name))
+    throw InvalidArgument(fmt::format(
+        "malformed device name '{}': it holds a NUL or control character; device names are printable text",
+        quote_for_message(name)));
+  if (name.size() > kMaxDeviceNameLength)
+    throw InvalidArgument(fmt::format("malformed device name '{}': longer than {} bytes",
+                                      quote_for_message(name), kMaxDeviceNameLength));
   std::size_t colon = name.find(':');
   std::string_view type = name.substr(0, colon);
   if (!valid_type(type))
     throw InvalidArgument(fmt::format(
-        "malformed device name '{}': the part before ':' must be a letter followed by letters, "
-        "digits or '_' (as in \"CUDA:1\")",
-        name));
+        "malformed device name '{}': the part before ':' must be a letter followed by at most {} "
+        "letters, digits or '_' (as in \"CUDA:1\")",
+        quote_for_message(name), kMaxTypeLength - 1));
   std::string out(type);
   std::transform(out.begin(), out.end(), out.begin(),
                  [](unsigned char c) { return static_cast<char>(std::toupper(c)); });
-  if (colon != std::string_view::npos) {
-    std::string_view rest = name.substr(colon + 1);
-    if (rest.empty())
-      throw InvalidArgument(fmt::format(
-          "malformed device name '{}': nothing after ':'; drop the ':' or name the device, as in "
-          "\"{}:1\"",
-          name, out));
-    out += ':';
-    out += rest;
+  if (colon == std::string_view::npos) return out;
+  std::string_view rest = name.substr(colon + 1);
+  if (rest.empty())
+    throw InvalidArgument(fmt::format(
+        "malformed device name '{}': nothing after ':'; drop the ':' or name the device, as in "
+        "\"{}:1\"",
+        quote_for_message(name), out));
+  if (Device.suffix_kind(out) == DeviceSuffix::ordinal) {
+    if (parse_ordinal(name, out, rest) == 0) return out;
+    return out + ':' + std::string(rest);
   }
-  if (out.size() >= 2 && out.ends_with(":0")) out.resize(out.size() - 2);
+  // Note [Trailing :0]
+  // The seed drops ":0" (everywhere; the contract: once, at the end). Dropping only one would make
+  // "x:a:0:0" canonicalize to "X:a:0" and that to "X:a": two names, two devices, for one request.
+  // Dropping every trailing ":0" makes canonicalize idempotent.
+  while (rest.size() >= 2 && rest.ends_with(":0")) rest.remove_suffix(2);
+  if (rest == "0") return out;
+  if (rest.empty())
+    throw InvalidArgument(fmt::format("malformed device name '{}': nothing after ':' once ':0' is dropped",
+                                      quote_for_message(name)));
+  out += ':';
+  out += rest;
   return out;
+}
+
+DeviceSuffix DeviceRegistry::suffix_kind(std::string_view type) const {
+  for (std::string_view t : kOrdinalTypes)
+    if (t == type) return DeviceSuffix::ordinal;
+  for (std::string_view t : kPathTypes)
+    if (t == type) return DeviceSuffix::path;
+  std::lock_guard lock(mutex_);
+  ensure_builtins();
+  for (const Factory& f : factories_)
+    if (f.type == type) return f.suffix;
+  return DeviceSuffix::verbatim;
 }
 
 struct DeviceRegistry::Slot {
@@ -88,14 +139,15 @@ void DeviceRegistry::ensure_builtins() const {
   if (!tinydev_builtin_backends) return;
   std::size_t count = 0;
   const BackendEntry* entries = tinydev_builtin_backends(&count);
-  for (std::size_t i = 0; i < count; ++i) factories_.emplace_back(entries[i].name, entries[i].open);
+  for (std::size_t i = 0; i < count; ++i)
+    factories_.push_back(Factory{entries[i].name, entries[i].open, entries[i].suffix});
 }
 
 std::vector<std::string> DeviceRegistry::backends() const {
   std::lock_guard lock(mutex_);
   ensure_builtins();
   std::vector<std::string> out;
-  for (const auto& [type, factory] : factories_) out.push_back(type);
+  for (const Factory& f : factories_) out.push_back(f.type);
   return out;
 }
 
@@ -110,26 +162,30 @@ std::vector<std::string> DeviceRegistry::opened() const {
 BackendFactory DeviceRegistry::factory_for(const std::string& type, const std::string& asked) const {
   // Caller holds mutex_.
   ensure_builtins();
-  for (const auto& [t, factory] : factories_)
-    if (t == type) return factory;
+  for (const Factory& f : factories_)
+    if (f.type == type) return f.open;
   std::vector<std::string> have;
-  for (const auto& [t, factory] : factories_) have.push_back(t);
+  for (const Factory& f : factories_) have.push_back(f.type);
   throw InvalidArgument(fmt::format(
-      "unknown device '{}' (type {}): this build of tinydev has {}", asked, type,
+      "unknown device '{}' (type {}): this build of tinydev has {}", quote_for_message(asked), type,
       have.empty() ? std::string("no backends (link tinydev::tinydev, not tinydev::core)")
                    : fmt::format("{}", fmt::join(have, ", "))));
 }
 
-void DeviceRegistry::register_backend(std::string type, BackendFactory factory) {
+void DeviceRegistry::register_backend(std::string type, BackendFactory factory, DeviceSuffix suffix) {
   if (!valid_type(type) || canonicalize(type) != type)
     throw InvalidArgument(fmt::format(
-        "cannot register backend '{}': a backend type is uppercase letters, digits and '_'", type));
+        "cannot register backend '{}': a backend type is uppercase letters, digits and '_'",
+        quote_for_message(type)));
+  if (suffix == DeviceSuffix::verbatim)
+    throw InvalidArgument(fmt::format("cannot register backend '{}': say whether its names carry an "
+                                      "ordinal or a path (DeviceSuffix::ordinal or ::path)", type));
   std::lock_guard lock(mutex_);
   ensure_builtins();
-  for (const auto& [t, f] : factories_)
-    if (t == type)
+  for (const Factory& f : factories_)
+    if (f.type == type)
       throw InvalidArgument(fmt::format("cannot register backend '{}': it is already registered", type));
-  factories_.emplace_back(std::move(type), std::move(factory));
+  factories_.push_back(Factory{std::move(type), std::move(factory), suffix});
 }
 
 Compiled& DeviceRegistry::operator[](std::string_view name) {

@@ -1,12 +1,15 @@
 // The CLANG backend: C source in, compiled by the newest clang on PATH in a subprocess (source on
-// stdin, object on stdout: no temporary files), loaded by the shared ORC object runtime.
+// stdin, object on stdout: no temporary files, a TINYDEV_COMPILE_TIMEOUT limit), loaded by the CPU
+// object runtime (the fast ELF loader on x86-64, ORC otherwise).
 #include <fmt/format.h>
 #include <xxhash.h>
 
 #include "cpu_blob.hpp"
 #include "cpu_hcq.hpp"
 #include "cpu_runtime.hpp"
+#include "elf_loader.hpp"
 #include "subprocess.hpp"
+#include "tinydev/config.hpp"
 #include "tinydev/device.hpp"
 #include "tinydev/error.hpp"
 
@@ -44,11 +47,25 @@ class ClangCompiler final : public Compiler {
   Blob compile(std::string_view source) override {
     std::vector<std::string> argv{path_};
     argv.insert(argv.end(), kFlags.begin(), kFlags.end());
-    clang_backend::ProcessResult r = clang_backend::run_process(argv, source);
+    const int timeout_s = settings().compile_timeout_s;
+    clang_backend::ProcessResult r = clang_backend::run_process(argv, source, std::chrono::seconds(timeout_s));
+    if (r.timed_out)
+      throw CompileError(fmt::format("{} did not finish compiling the kernel within {} s and was killed: "
+                                     "raise TINYDEV_COMPILE_TIMEOUT if the kernel is that large",
+                                     path_, timeout_s),
+                         r.err);
     if (r.exit_code != 0)
       throw CompileError(fmt::format("{} failed to compile the kernel (exit code {})", path_, r.exit_code),
                          r.err);
-    return cpu::wrap_object(std::as_bytes(std::span(r.out.data(), r.out.size())), cpu::c_signatures(source));
+    // What came back is about to be cached and run: it must be an object for this host, or the
+    // compile failed whatever the exit code says (a wrapper script, a broken install).
+    const auto object = std::as_bytes(std::span(r.out.data(), r.out.size()));
+    if (std::string why = cpu::check_elf_object(object, cpu::host_elf_machine()); !why.empty())
+      throw CompileError(fmt::format("{} exited 0 but did not produce an object file for this host ({}); its "
+                                     "output began '{}'",
+                                     path_, why, quote_for_message(std::string_view(r.out).substr(0, 64), 64)),
+                         r.err);
+    return cpu::wrap_object(object, cpu::c_signatures(source));
   }
 
  private:
@@ -60,8 +77,9 @@ std::unique_ptr<ClangCompiler> find_clang() {
   for (const std::string& name : tried) {
     std::string path = clang_backend::find_on_path(name);
     if (path.empty()) continue;
-    clang_backend::ProcessResult r = clang_backend::run_process({path, "--version"}, "");
-    if (r.exit_code != 0) continue;
+    clang_backend::ProcessResult r = clang_backend::run_process(
+        {path, "--version"}, "", std::chrono::seconds(std::min(30, settings().compile_timeout_s)));
+    if (r.exit_code != 0 || r.timed_out) continue;
     std::string first_line = r.out.substr(0, r.out.find('\n'));
     return std::make_unique<ClangCompiler>(path, first_line);
   }

@@ -11,7 +11,10 @@
 
 #include <pthread.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <chrono>
+#include <cstdint>
 #include <tuple>
 #include <cstdlib>
 #include <cstring>
@@ -74,9 +77,8 @@ std::string find_on_path(const std::string& program) {
   std::string_view rest = path ? path : "/usr/local/bin:/usr/bin:/bin";
   while (true) {
     std::size_t colon = rest.find(':');
-    std::string dir(rest.substr(0, colon));
-    if (dir.empty()) dir = ".";
-    std::string candidate = dir + "/" + program;
+    std::string_view dir = rest.substr(0, colon);
+    std::string candidate = fmt::format("{}/{}", dir.empty() ? std::string_view(".") : dir, program);
     struct stat st {};
     if (::stat(candidate.c_str(), &st) == 0 && S_ISREG(st.st_mode) && ::access(candidate.c_str(), X_OK) == 0)
       return candidate;
@@ -85,18 +87,25 @@ std::string find_on_path(const std::string& program) {
   }
 }
 
-ProcessResult run_process(const std::vector<std::string>& argv, std::string_view input) {
+ProcessResult run_process(const std::vector<std::string>& argv, std::string_view input,
+                          std::chrono::milliseconds timeout) {
   Pipe in, out, err;
   posix_spawn_file_actions_t actions;
   posix_spawn_file_actions_init(&actions);
   posix_spawn_file_actions_adddup2(&actions, in.fd[0], STDIN_FILENO);
   posix_spawn_file_actions_adddup2(&actions, out.fd[1], STDOUT_FILENO);
   posix_spawn_file_actions_adddup2(&actions, err.fd[1], STDERR_FILENO);
+  // A process group of its own, so that a timeout kills the compiler and anything it started.
+  posix_spawnattr_t attr;
+  posix_spawnattr_init(&attr);
+  posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETPGROUP);
+  posix_spawnattr_setpgroup(&attr, 0);
   std::vector<char*> args;
   for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
   args.push_back(nullptr);
   pid_t pid = 0;
-  int rc = ::posix_spawnp(&pid, args[0], &actions, nullptr, args.data(), environ);
+  int rc = ::posix_spawnp(&pid, args[0], &actions, &attr, args.data(), environ);
+  posix_spawnattr_destroy(&attr);
   posix_spawn_file_actions_destroy(&actions);
   if (rc != 0)
     throw Error(fmt::format("cannot start '{}': {}", argv[0], std::strerror(rc)));
@@ -110,6 +119,7 @@ ProcessResult run_process(const std::vector<std::string>& argv, std::string_view
   if (input.empty()) in.close_end(1);
   else ::fcntl(in.fd[1], F_SETFL, O_NONBLOCK);
   char chunk[65536];
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
   while (out.fd[0] >= 0 || err.fd[0] >= 0) {
     pollfd fds[3];
     int n = 0;
@@ -117,10 +127,17 @@ ProcessResult run_process(const std::vector<std::string>& argv, std::string_view
     if (in.fd[1] >= 0) { idx_in = n; fds[n++] = {in.fd[1], POLLOUT, 0}; }
     if (out.fd[0] >= 0) { idx_out = n; fds[n++] = {out.fd[0], POLLIN, 0}; }
     if (err.fd[0] >= 0) { idx_err = n; fds[n++] = {err.fd[0], POLLIN, 0}; }
-    if (::poll(fds, static_cast<nfds_t>(n), -1) < 0) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    if (left.count() <= 0) {
+      result.timed_out = true;
+      break;
+    }
+    const int ready = ::poll(fds, static_cast<nfds_t>(n), static_cast<int>(std::min<std::int64_t>(left.count(), 1 << 30)));
+    if (ready < 0) {
       if (errno == EINTR) continue;
       break;
     }
+    if (ready == 0) continue;  // the deadline check above decides
     if (idx_in >= 0 && fds[idx_in].revents) {
       ssize_t w = write_no_sigpipe(in.fd[1], input.data() + written, input.size() - written);
       if (w > 0) written += static_cast<std::size_t>(w);
@@ -135,8 +152,18 @@ ProcessResult run_process(const std::vector<std::string>& argv, std::string_view
     }
   }
   in.close_end(1);
+  // Reap it. A child that closed its output but does not exit still gets only the time left.
   int status = 0;
-  while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  while (!result.timed_out) {
+    const pid_t r = ::waitpid(pid, &status, WNOHANG);
+    if (r == pid || (r < 0 && errno != EINTR)) break;
+    if (std::chrono::steady_clock::now() >= deadline) result.timed_out = true;
+    else if (r == 0) ::usleep(1000);
+  }
+  if (result.timed_out) {
+    ::kill(-pid, SIGKILL);  // the group: the compiler and whatever it started
+    while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+    }
   }
   result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
   return result;

@@ -3,20 +3,26 @@
 // Thread safety: run_process may be called from several threads at once.
 #pragma once
 
+#include <chrono>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace tinydev::clang_backend {
 
 struct ProcessResult {
-  int exit_code = -1;  // the exit status, or 128 + signal number when killed by a signal
-  std::string out;     // stdout, bytes verbatim
-  std::string err;     // stderr
+  int exit_code = -1;      // the exit status, or 128 + signal number when killed by a signal
+  std::string out;         // stdout, bytes verbatim
+  std::string err;         // stderr
+  bool timed_out = false;  // killed (with its process group) because it ran past the timeout
 };
 
-// Runs argv[0] (searched on PATH) with `input` on stdin. Throws tinydev::Error when the process
-// cannot be started (naming it and the OS error).
-ProcessResult run_process(const std::vector<std::string>& argv, std::string_view input);
+// Runs argv[0] (searched on PATH) with `input` on stdin, in a process group of its own. Past
+// `timeout` the whole group is killed with SIGKILL and reaped (no zombie is left), and the result
+// says timed_out. Throws tinydev::Error when the process cannot be started (naming it and the OS
+// error).
+ProcessResult run_process(const std::vector<std::string>& argv, std::string_view input,
+                          std::chrono::milliseconds timeout);
 
 // The absolute path of `program` found on PATH, or "" when it is not there.
 std::string find_on_path(const std::string& program);

@@ -129,33 +129,6 @@ std::map<std::string, std::string> host_properties() {
   return {{"target", t.triple}, {"cpu", t.cpu}, {"cpu features", fmt::format("{} enabled", enabled)}};
 }
 
-std::vector<std::string> object_functions(std::span<const std::byte> blob) {
-  init_llvm();
-  std::vector<std::string> out;
-  llvm::MemoryBufferRef ref(
-      llvm::StringRef(reinterpret_cast<const char*>(blob.data()), blob.size()), "kernel");
-  auto obj = llvm::object::ObjectFile::createObjectFile(ref);
-  if (!obj) {
-    llvm::consumeError(obj.takeError());
-    return out;
-  }
-  for (const llvm::object::SymbolRef& sym : (*obj)->symbols()) {
-    auto flags = sym.getFlags();
-    auto type = sym.getType();
-    auto name = sym.getName();
-    if (!flags || !type || !name) {
-      if (!flags) llvm::consumeError(flags.takeError());
-      if (!type) llvm::consumeError(type.takeError());
-      if (!name) llvm::consumeError(name.takeError());
-      continue;
-    }
-    if ((*flags & llvm::object::SymbolRef::SF_Global) && !(*flags & llvm::object::SymbolRef::SF_Undefined) &&
-        *type == llvm::object::SymbolRef::ST_Function)
-      out.push_back(name->str());
-  }
-  return out;
-}
-
 // ---- the JIT --------------------------------------------------------------------------------------
 
 struct ObjectRuntime::Impl {
@@ -380,22 +353,23 @@ std::shared_ptr<Program> ObjectRuntime::load(std::string_view kernel_name,
   const UnwrappedBlob unwrapped = unwrap_object(wrapped);
   const std::span<const std::byte> blob = unwrapped.object;
   const std::optional<KernelSignature> signature = unwrapped.signature_of(kernel_name);
-  std::optional<std::vector<std::string>> elf = elf_functions(blob);
-  std::vector<std::string> defined = elf ? std::move(*elf) : object_functions(blob);
+  check_loadable(kernel_name, blob);
+  std::vector<std::string> defined = elf_functions(blob).value_or(std::vector<std::string>{});
   if (defined.empty())
-    throw InvalidArgument(fmt::format("{}: the blob for kernel '{}' ({} bytes) is not an object "
-                                      "file defining any function: pass what compile() returned",
-                                      impl_->device, kernel_name, blob.size()));
+    throw InvalidArgument(fmt::format("{}: the blob for kernel '{}' ({} bytes) is an object file that "
+                                      "defines no function: pass what compile() returned",
+                                      impl_->device, quote_for_message(kernel_name), blob.size()));
   if (std::find(defined.begin(), defined.end(), kernel_name) == defined.end())
     throw InvalidArgument(fmt::format("{}: kernel '{}' is not in the compiled object, which defines "
                                       "{}: check the kernel name",
-                                      impl_->device, kernel_name, fmt::join(defined, ", ")));
+                                      impl_->device, quote_for_message(kernel_name),
+                                      quote_for_message(fmt::format("{}", fmt::join(defined, ", ")), 400)));
 #if defined(__x86_64__)
   // The fast path (Note [Two object loaders] in elf_loader.hpp); ORC below when it declines.
   ElfLoadResult fast = load_elf_x86_64(blob, kernel_name, &resolve_external);
   if (!fast.error.empty())
-    throw InvalidArgument(fmt::format("{}: could not load kernel '{}': {}", impl_->device, kernel_name,
-                                      fast.error));
+    throw InvalidArgument(fmt::format("{}: could not load kernel '{}': {}", impl_->device,
+                                      quote_for_message(kernel_name), fast.error));
   if (fast.object) {
     void* fn = fast.object->entry;
     return std::make_shared<CpuProgram>(std::string(kernel_name), impl_->device,
@@ -410,12 +384,23 @@ std::shared_ptr<Program> ObjectRuntime::load(std::string_view kernel_name,
 
 std::shared_ptr<Program> ObjectRuntime::load_with_orc(std::string_view kernel_name,
                                                       std::span<const std::byte> wrapped) {
-  return load_unwrapped_with_orc(kernel_name, unwrap_object(wrapped));
+  const UnwrappedBlob unwrapped = unwrap_object(wrapped);
+  check_loadable(kernel_name, unwrapped.object);
+  return load_unwrapped_with_orc(kernel_name, unwrapped);
+}
+
+void ObjectRuntime::check_loadable(std::string_view kernel_name, std::span<const std::byte> object) const {
+  if (std::string why = check_elf_object(object, host_elf_machine()); !why.empty())
+    throw InvalidArgument(fmt::format(
+        "{}: the blob for kernel '{}' ({} bytes) is not a loadable object: {}; pass what this device's "
+        "compile() returned",
+        impl_->device, quote_for_message(kernel_name), object.size(), why));
 }
 
 std::shared_ptr<Program> ObjectRuntime::load_unwrapped_with_orc(std::string_view kernel_name,
                                                                 const UnwrappedBlob& unwrapped) {
-  const std::span<const std::byte> blob = unwrapped.object;
+  // Note [No unwind tables for ORC] in elf_loader.cpp.
+  const std::vector<std::byte> blob = without_unwind_tables(unwrapped.object);
   auto& es = impl_->jit->getExecutionSession();
   auto dylib = impl_->jit->createJITDylib(
       fmt::format("{}_{}", kernel_name, impl_->counter.fetch_add(1)));

@@ -92,20 +92,21 @@ class ObjectRuntime final : public Runtime {
  public:
   explicit ObjectRuntime(std::string device_name, CallOrdering* ordering = nullptr);
   ~ObjectRuntime() override;
+  // Throws InvalidArgument saying what is wrong for a blob that is not a well-formed object for
+  // this host (Note [Object validation] in elf_loader.hpp), or that lacks the kernel.
   std::shared_ptr<Program> load(std::string_view kernel_name, std::span<const std::byte> blob) override;
   // The general path: ORC's JITLink (any object LLVM links, on any host). load() uses it when the
-  // fast ELF loader declines; public so tests can compare the two.
+  // fast ELF loader declines a well-formed object; public so tests can compare the two. The same
+  // validation runs first.
   std::shared_ptr<Program> load_with_orc(std::string_view kernel_name, std::span<const std::byte> blob);
 
   struct Impl;
 
  private:
   std::shared_ptr<Program> load_unwrapped_with_orc(std::string_view kernel_name, const UnwrappedBlob& unwrapped);
+  void check_loadable(std::string_view kernel_name, std::span<const std::byte> object) const;
   std::shared_ptr<Impl> impl_;
 };
-
-// The names of the global functions an object file defines (for error messages and tools).
-std::vector<std::string> object_functions(std::span<const std::byte> blob);
 
 // The most arguments (buffers + values, + the grid index) a CPU kernel call takes.
 inline constexpr std::size_t kMaxKernelArgs = 64;

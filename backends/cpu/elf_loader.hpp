@@ -6,9 +6,19 @@
 // (dylib set-up, graph building, per-link memory mapping). Kernels are small, self-contained
 // objects with a handful of relocation kinds, so on x86-64 this loader places the allocatable
 // sections in one mapping, builds a GOT and call stubs for external symbols, applies the
-// relocations and seals the code read+execute: a few microseconds. Anything it does not handle
-// (another machine, an unknown relocation, initializers, common symbols) makes it decline with a
-// reason, and ObjectRuntime falls back to ORC, so the set of loadable objects is ORC's.
+// relocations and seals the code read+execute: a few microseconds. A well-formed object it does not
+// handle (an unknown relocation kind, initializers, TLS, common symbols, a reference out of 32-bit
+// range) makes it decline with a reason, and ObjectRuntime falls back to ORC.
+//
+// Note [Object validation]
+// Blobs come from outside the process (the compile cache, a caller), and neither loader may crash,
+// hang or allocate without bound on any input. So every blob passes check_elf_object first: the
+// header, the section table and every section's bytes in bounds, sane alignments, string tables
+// NUL-terminated, one symbol table whose symbols point into their sections, relocation tables
+// whose entries name real symbols and stay inside their target sections with a known relocation
+// kind, group sections naming real sections, and a bounded loaded size. A blob that fails is an
+// InvalidArgument saying what is wrong; ORC only ever sees objects that passed (the fuzzers in
+// tests/fuzz/ run both loaders on mutated objects).
 //
 // Thread safety: the functions here are reentrant. A LoadedObject is immutable after loading.
 #pragma once
@@ -24,6 +34,20 @@
 #include <vector>
 
 namespace tinydev::cpu {
+
+// The most bytes the allocatable sections of one object may take once loaded (code, data, bss).
+inline constexpr std::uint64_t kMaxLoadedObjectBytes = 256ull << 20;
+
+// Why `blob` is not a well-formed ELF64 little-endian relocatable object for `machine` (EM_X86_64,
+// EM_AARCH64) that the CPU loaders can take (Note [Object validation]), or "" when it is one.
+std::string check_elf_object(std::span<const std::byte> blob, std::uint16_t machine);
+
+// A copy of a checked object whose unwind tables (.eh_frame, SHT_X86_64_UNWIND) are no longer
+// marked to be loaded, so a linker leaves them out (Note [No unwind tables for ORC]).
+std::vector<std::byte> without_unwind_tables(std::span<const std::byte> checked_object);
+
+// The ELF machine of this host (EM_X86_64 or EM_AARCH64).
+std::uint16_t host_elf_machine() noexcept;
 
 // The global function symbols an ELF64 object defines, or nullopt when `blob` is not a
 // little-endian ELF64 relocatable object.
@@ -48,11 +72,12 @@ using SymbolResolver = std::function<void*(std::string_view name)>;
 
 struct ElfLoadResult {
   std::unique_ptr<LoadedObject> object;  // set on success
-  std::string declined;                  // why the fast path cannot load it (then use ORC)
-  std::string error;                     // a real error (e.g. an undefined symbol): report it
+  std::string declined;                  // a well-formed object the fast path cannot load (then use ORC)
+  std::string error;                     // a malformed object or a real error (an undefined symbol): report it
 };
 
-// Loads `blob` and finds `function`. Exactly one of object / declined / error is set.
+// Checks `blob` with check_elf_object, loads it and finds `function`. Exactly one of object /
+// declined / error is set.
 ElfLoadResult load_elf_x86_64(std::span<const std::byte> blob, std::string_view function,
                               const SymbolResolver& resolve);
 

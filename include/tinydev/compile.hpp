@@ -43,6 +43,9 @@ class DiskCache {
   struct Stats {
     std::uint64_t memory_hits = 0, disk_hits = 0, misses = 0, corrupt = 0, writes = 0,
                   write_failures = 0, evictions = 0;
+    // Folders not used and entries not loaded because another user could have written them
+    // (Note [Cache trust] in src/disk_cache.cpp): the process then caches in memory only / misses.
+    std::uint64_t rejected_folders = 0, rejected_entries = 0;
   };
 
   // The process-wide cache in settings().cache_dir.
@@ -67,6 +70,16 @@ class DiskCache {
   ~DiskCache();
   Impl* impl_;
 };
+
+namespace detail {
+enum class CacheEntryCheck { ok, corrupt, other_key };
+// Verifies the bytes of one cache entry file against the full key it should hold (Note [Cache
+// entry format]); on `ok`, `blob` is the stored blob inside `file`. Pure; for the cache and its fuzzer.
+CacheEntryCheck check_cache_entry(std::span<const std::byte> file, std::string_view full_key,
+                                  std::span<const std::byte>& blob);
+// The full key of an entry ("tinydev-cache-v1" NUL key NUL identity NUL source).
+std::string cache_full_key(std::string_view key, std::string_view identity, std::string_view source);
+}  // namespace detail
 
 // The seed's Compiler. `cache_key` names the compiler family ("compile_llvm"); a nullopt key
 // never caches. TINYDEV_DISABLE_COMPILER_CACHE=1 bypasses the cache; TINYDEV_ASSERT_COMPILE=1

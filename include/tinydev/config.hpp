@@ -12,6 +12,8 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
+#include <map>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -23,13 +25,16 @@ struct Settings {
   std::string device;                           // TINYDEV_DEVICE, canonicalized; "" when unset
   int debug = 0;                                // TINYDEV_DEBUG, 0..7
   bool lru = true;                              // TINYDEV_LRU
-  std::uint64_t lru_max_bytes = 0;              // TINYDEV_LRU_MAX_BYTES; 0 = no cap
+  // TINYDEV_LRU_MAX_BYTES: the bound on each LRUAllocator's cache; nullopt = unset (each allocator
+  // applies its default rule, Note [Default LRU bound] in src/memory.cpp); 0 = no bound.
+  std::optional<std::uint64_t> lru_max_bytes;
   bool disable_compiler_cache = false;          // TINYDEV_DISABLE_COMPILER_CACHE
   bool assert_compile = false;                  // TINYDEV_ASSERT_COMPILE
   std::string cache_dir;                        // TINYDEV_CACHE_DIR, resolved; "" = no folder
   std::uint64_t cache_max_bytes = 1ull << 30;   // TINYDEV_CACHE_MAX_BYTES
   std::string profile;                          // TINYDEV_PROFILE: trace file written at exit
   int cpu_threads = 0;                          // TINYDEV_CPU_THREADS; 0 = the core count
+  int compile_timeout_s = 300;                  // TINYDEV_COMPILE_TIMEOUT: a compiler subprocess's limit
 };
 
 // The current settings (environment + active overrides). Throws InvalidArgument on the first call
@@ -38,6 +43,9 @@ const Settings& settings();
 
 // The names of every variable tinydev reads.
 std::vector<std::string_view> known_variables();
+
+// The known variable nearest to `name` by edit distance (for "did you mean" messages).
+std::string_view closest_known_variable(std::string_view name);
 
 // Re-reads the process environment (after setenv in a test or a launcher). Overrides stay active.
 void reload_environment();
@@ -61,5 +69,11 @@ class ScopedOverride {
 // Parses "123", "64K", "512M", "1G" (binary multiples) as bytes; throws InvalidArgument naming
 // `what` on anything else.
 std::uint64_t parse_byte_count(std::string_view text, std::string_view what);
+
+namespace detail {
+// Parses `values` (variable name -> value) as if they were the whole environment, touching no
+// process state: for the CLI, tools and the settings fuzzer. Throws InvalidArgument as settings().
+Settings parse_settings(const std::map<std::string, std::string, std::less<>>& values);
+}  // namespace detail
 
 }  // namespace tinydev

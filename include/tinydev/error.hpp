@@ -5,8 +5,10 @@
 // error never leaves another buffer, cache entry or device in a changed state.
 #pragma once
 
+#include <cstddef>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 
 namespace tinydev {
 
@@ -50,5 +52,13 @@ class Timeout : public Error {
  public:
   using Error::Error;
 };
+
+// `text` as it may appear inside an error message: control characters and NUL escaped (\n, \x01),
+// at most `max_chars` characters of it kept, and a longer text cut with "... (N bytes)" so that a
+// hostile 1 MiB name never makes a 1 MiB message. Pure function; thread-safe.
+std::string quote_for_message(std::string_view text, std::size_t max_chars = 100);
+
+// Whether `text` holds NUL or another ASCII control character (0x00-0x1f, 0x7f).
+bool has_control_characters(std::string_view text) noexcept;
 
 }  // namespace tinydev

@@ -24,6 +24,11 @@
 
 namespace tinydev {
 
+// Bounds on what one graph may name: input and variable numbers below kMaxGraphIndex, at most
+// kMaxGraphKernelArgs buffers and as many values per kernel node (InvalidArgument otherwise).
+inline constexpr std::size_t kMaxGraphIndex = std::size_t{1} << 20;
+inline constexpr std::size_t kMaxGraphKernelArgs = 4096;
+
 // A buffer argument: a fixed allocation, or input number `input` of each replay.
 struct GraphBuffer {
   std::optional<Allocation> fixed;

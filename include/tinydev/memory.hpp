@@ -6,11 +6,14 @@
 // Only an allocator whose `as_buffer` answers may be read by the host directly.
 //
 // Ownership: whoever receives an Allocation from `alloc` owns it until it passes it back to `free`
-// on the same allocator with the same size and options. An allocator must outlive every
-// Allocation it handed out (device allocators live as long as the process).
+// on the same allocator with the same size and options. An allocator remembers what it handed
+// out: freeing anything else (an allocation of another allocator, a view, one freed already, or
+// with another size or options) is InvalidArgument and changes nothing. An allocator must outlive
+// every Allocation it handed out (device allocators live as long as the process).
 //
-// Thread safety: every Allocator method may be called concurrently from any thread. LRUAllocator
-// holds one mutex for its cache and never calls into the backend (alloc_impl/free_impl) under it.
+// Thread safety: every Allocator method may be called concurrently from any thread. An allocator
+// holds one mutex (its record of live allocations and, for LRUAllocator, its cache) and never
+// calls into the backend (alloc_impl/free_impl) under it.
 #pragma once
 
 #include <cstddef>
@@ -30,6 +33,10 @@ namespace tinydev {
 // How a buffer should be allocated (the seed's BufferOptions; its `image` field is omitted: tinydev
 // has no image dtypes). A hashable, comparable value.
 struct BufferOptions {
+  static BufferOptions from_bits(std::uint8_t bits) noexcept {
+    return BufferOptions{static_cast<bool>(bits & 1), static_cast<bool>(bits & 2),
+                         static_cast<bool>(bits & 4), static_cast<bool>(bits & 8)};
+  }
   bool uncached = false;    // device memory the host should not cache (write-combined)
   bool cpu_access = false;  // the host must be able to map it
   bool host = false;        // pinned host memory the device can reach (staging buffers)
@@ -56,7 +63,42 @@ struct Allocation {
   }
 };
 
-// The seed's Allocator: `alloc` validates and forwards to the backend's `alloc_impl`.
+namespace detail {
+// The allocations an allocator handed out and has not taken back, keyed by (va_addr, backend),
+// with the size and options they were allocated with. Open addressing with linear probing and
+// backward-shift deletion: insert, find and erase are a hash and a probe or two, and nothing is
+// allocated except when the table doubles. Not synchronized: the owning allocator's mutex guards it.
+class LiveAllocations {
+ public:
+  struct Record {
+    std::uint64_t va_addr = 0;
+    void* backend = nullptr;
+    std::uint64_t size = 0;  // 0 marks an empty slot (allocations are never empty)
+    std::uint8_t options = 0;
+  };
+  LiveAllocations() = default;
+  LiveAllocations(const LiveAllocations&) = delete;
+  LiveAllocations& operator=(const LiveAllocations&) = delete;
+
+  void insert(const Allocation& a, std::uint64_t size, std::uint8_t options);
+  // The record of `a`, or nullptr when it is not live. Valid until the next insert or erase.
+  const Record* find(const Allocation& a) const noexcept;
+  void erase(const Record* record) noexcept;
+  std::size_t size() const noexcept { return count_; }
+
+ private:
+  std::size_t slot_of(std::uint64_t va_addr, const void* backend) const noexcept {
+    std::uint64_t h = (va_addr ^ reinterpret_cast<std::uintptr_t>(backend)) * 0x9e3779b97f4a7c15ull;
+    return static_cast<std::size_t>(h >> 32) & (slots_.size() - 1);
+  }
+  void grow();
+  std::vector<Record> slots_;
+  std::size_t count_ = 0;
+};
+}  // namespace detail
+
+// The seed's Allocator: `alloc` validates and forwards to the backend's `alloc_impl`; `free`
+// checks the allocation against the record of what was handed out, then calls `free_impl`.
 class Allocator {
  public:
   virtual ~Allocator() = default;
@@ -64,8 +106,17 @@ class Allocator {
   // Allocates `size` bytes (> 0, else InvalidArgument). Throws OutOfMemory when the backend has
   // no memory left.
   virtual Allocation alloc(std::size_t size, const BufferOptions& options = {});
-  // Returns an allocation; `size` and `options` must be those it was allocated with.
+  // Returns an allocation; `size` and `options` must be those it was allocated with. Freeing an
+  // allocation this allocator did not hand out, freeing one twice, or with another size or
+  // options, is InvalidArgument, and nothing is freed or cached.
   virtual void free(Allocation allocation, std::size_t size, const BufferOptions& options = {});
+  // The size and options `allocation` was handed out with, when this allocator handed it out
+  // and it is not freed yet (views never are); else nullopt.
+  struct LiveInfo {
+    std::uint64_t size;
+    BufferOptions options;
+  };
+  std::optional<LiveInfo> live_info(const Allocation& allocation) const;
 
   // Host -> device and device -> host copies of exactly `src.size()` / `dest.size()` bytes.
   virtual void copyin(Allocation dest, std::span<const std::byte> src) = 0;
@@ -85,6 +136,16 @@ class Allocator {
  protected:
   virtual Allocation alloc_impl(std::size_t size, const BufferOptions& options) = 0;
   virtual void free_impl(Allocation allocation, std::size_t size, const BufferOptions& options) = 0;
+
+  // Caller holds mutex_. The record of `allocation`, which the caller then erases; throws
+  // InvalidArgument (changing nothing but the count of rejected frees) unless `allocation` is
+  // live with this size and these options.
+  const detail::LiveAllocations::Record* check_free(const Allocation& allocation, std::size_t size,
+                                                    const BufferOptions& options);
+
+  mutable std::mutex mutex_;         // guards live_ (and, in LRUAllocator, its cache)
+  detail::LiveAllocations live_;
+  std::uint64_t rejected_frees_ = 0;  // frees refused by check_free
 };
 
 namespace detail {
@@ -104,16 +165,25 @@ struct LRUStats {
   std::uint64_t misses = 0;        // allocs that went to the backend
   std::uint64_t bytes_cached = 0;  // bytes currently held in the cache
   std::uint64_t entries_cached = 0;
-  std::uint64_t evictions = 0;     // cached allocations freed to respect TINYDEV_LRU_MAX_BYTES
+  std::uint64_t evictions = 0;     // cached allocations freed to respect the byte bound
   std::uint64_t oom_retries = 0;   // out-of-memory failures answered by dropping the cache
+  std::uint64_t max_bytes = 0;     // the cache's byte bound now in force; 0 = no bound
+  std::uint64_t live_allocations = 0;  // handed out and not freed yet
+  std::uint64_t rejected_frees = 0;    // frees refused (unknown allocation, twice, wrong size)
 };
+
+// Note [Default LRU bound]: without TINYDEV_LRU_MAX_BYTES, a cache of host memory holds at most
+// 1/16 of the machine's physical memory, and never more than 2 GiB.
+std::uint64_t default_host_cache_bound() noexcept;
 
 // The seed's LRUAllocator: frees are kept in a cache keyed by (size, options) and handed back
 // last-in-first-out to the next alloc of the same key.
 //  - Out of memory: the whole cache is freed and the alloc retried once; a second failure is
 //    OutOfMemory.
 //  - TINYDEV_LRU=0, or options.nolru: free for real.
-//  - TINYDEV_LRU_MAX_BYTES: the cache never holds more; the least recently freed go first.
+//  - A byte bound: the cache never holds more; the least recently freed go first. The bound is
+//    TINYDEV_LRU_MAX_BYTES when set (0 = no bound), else the allocator's default
+//    (default_host_cache_bound(), or what the backend set with set_default_max_bytes).
 class LRUAllocator : public Allocator {
  public:
   LRUAllocator();
@@ -125,6 +195,12 @@ class LRUAllocator : public Allocator {
   // Frees every cached allocation to the backend.
   void free_cache();
   LRUStats stats() const;
+  // The byte bound in force: TINYDEV_LRU_MAX_BYTES if set, else this allocator's default.
+  std::uint64_t max_bytes() const noexcept;
+
+ protected:
+  // The bound used when TINYDEV_LRU_MAX_BYTES is unset (a device allocator sizes it by its memory).
+  void set_default_max_bytes(std::uint64_t bytes) noexcept { default_max_bytes_ = bytes; }
 
  // Derived classes must call free_cache() in their own destructor: cached allocations are
  // returned through free_impl, which is gone by the time ~LRUAllocator runs.
@@ -149,7 +225,7 @@ class LRUAllocator : public Allocator {
   void evict_over_cap(std::uint64_t cap, std::vector<Entry>& out);
   void release(std::vector<Entry>& entries);
 
-  mutable std::mutex mutex_;
+  std::uint64_t default_max_bytes_;
   std::unordered_map<Key, Bucket, KeyHash> buckets_;
   Entry* lru_oldest_ = nullptr;  // global list of every cached entry, by time of free
   Entry* lru_newest_ = nullptr;

@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <functional>
 #include <map>
 #include <memory>
@@ -21,9 +22,29 @@ namespace tinydev {
 
 class Compiled;
 
+// How a device type reads the part of a name after the first ':'.
+enum class DeviceSuffix : std::uint8_t {
+  ordinal,  // "CUDA:1", "LLVM:3": a plain decimal ordinal from 1 to kMaxDeviceOrdinal (":0" is dropped)
+  path,     // "DISK:/dev/shm/x": kept verbatim
+  verbatim, // a type this build does not know: kept verbatim
+};
+// The largest ordinal a device name may carry ("LLVM:63"). Each CPU ordinal is a separate device
+// with its own worker threads, so the bound also bounds what a hostile name can make a process open.
+inline constexpr unsigned kMaxDeviceOrdinal = 63;
+// The longest device name accepted (a DISK path included).
+inline constexpr std::size_t kMaxDeviceNameLength = 4096;
+
 // "cuda" -> "CUDA", "cuda:0" -> "CUDA", "cuda:1" -> "CUDA:1", "disk:/dev/shm/x" -> "DISK:/dev/shm/x".
-// Uppercases the part before the first ':', keeps the rest verbatim, drops one trailing ":0".
-// Throws InvalidArgument for an empty name, an empty or non-alphanumeric type, or an empty suffix.
+// Uppercases the part before the first ':' and keeps the rest verbatim, except:
+//  - ordinal types (CUDA, LLVM, CLANG, NULL and every backend registered as ordinal): the suffix
+//    must be a plain decimal ordinal (no sign, no leading zero, at most kMaxDeviceOrdinal); ":0"
+//    is dropped, so "cuda:0" is "CUDA";
+//  - other types: trailing ":0"s are dropped ("disk:/tmp/a:0" -> "DISK:/tmp/a"; the seed drops
+//    one, which would make canonicalize("x:a:0:0") a name that canonicalizes again to another).
+// So canonicalize is idempotent: canonicalize(canonicalize(x)) == canonicalize(x).
+// Throws InvalidArgument for an empty name, an empty or non-alphanumeric type, an empty suffix,
+// a NUL or control character anywhere, a name over kMaxDeviceNameLength bytes, or an ordinal
+// type with another suffix. Messages quote at most about 100 characters of the name.
 std::string canonicalize(std::string_view name);
 
 // Opens the device of a canonical name whose type is this backend's ("CUDA:1" for CUDA).
@@ -34,6 +55,7 @@ using BackendFactory = std::function<std::unique_ptr<Compiled>(const std::string
 struct BackendEntry {
   const char* name;
   std::unique_ptr<Compiled> (*open)(const std::string& canonical_name);
+  DeviceSuffix suffix;
 };
 
 class DeviceRegistry {
@@ -58,9 +80,15 @@ class DeviceRegistry {
   // Canonical names of the devices opened so far.
   std::vector<std::string> opened() const;
 
-  // Adds a backend type at run time (tests, out-of-tree backends). Throws InvalidArgument if the
-  // type exists or is not a valid name.
-  void register_backend(std::string type, BackendFactory factory);
+  // Adds a backend type at run time (tests, out-of-tree backends). `suffix` says how canonicalize
+  // reads names of this type (ordinal or path). Throws InvalidArgument if the type exists or is
+  // not a valid name.
+  void register_backend(std::string type, BackendFactory factory,
+                        DeviceSuffix suffix = DeviceSuffix::ordinal);
+
+  // How names of `type` (uppercase) are read: the built-in ordinal types, DISK, the backends of
+  // this build and those registered; `verbatim` for any other type.
+  DeviceSuffix suffix_kind(std::string_view type) const;
 
  private:
   struct Slot;
@@ -69,7 +97,12 @@ class DeviceRegistry {
 
   mutable std::mutex mutex_;
   mutable bool builtins_loaded_ = false;
-  mutable std::vector<std::pair<std::string, BackendFactory>> factories_{};
+  struct Factory {
+    std::string type;
+    BackendFactory open;
+    DeviceSuffix suffix;
+  };
+  mutable std::vector<Factory> factories_{};
   // Created on first use and never freed, on purpose: devices outlive every static destructor
   // that may still use them, and leak checkers see them reachable from this global.
   using SlotMap = std::map<std::string, std::shared_ptr<Slot>, std::less<>>;

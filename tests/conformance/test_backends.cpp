@@ -64,7 +64,7 @@ TEST_CASE("backends: a missing kernel name and an unresolved symbol are clear er
     CHECK_THROWS_WITH(dev.runtime().load("nope", blob),
                       Catch::Contains("'nope' is not in the compiled object") && Catch::Contains("add"));
     CHECK_THROWS_WITH(dev.runtime().load("add", Blob(100, std::byte{7})),
-                      Catch::Contains("not an object file"));
+                      Catch::Contains("is not a loadable object: it is not an ELF file"));
     Blob missing = dev.compiler().compile(kUnresolved.for_device(dev));
     CHECK_THROWS_WITH(dev.runtime().load("calls_missing", missing),
                       Catch::Contains("tinydev_no_such_function"));

@@ -5,6 +5,9 @@
 #include "cpu_runtime.hpp"
 #include "demo_kernels.hpp"
 #include "elf_loader.hpp"
+#include "fuzz/mutate.hpp"
+
+#include <chrono>
 
 using namespace tinydev;
 using namespace tinydev::testing;
@@ -94,6 +97,52 @@ TEST_CASE("loaders: the fast loader rejects garbage without crashing", "[loaders
     CHECK((r.object != nullptr) + !r.declined.empty() + !r.error.empty() == 1);
   }
   CHECK_FALSE(cpu::elf_functions(Blob(64, std::byte{0})).has_value());
+}
+
+TEST_CASE("loaders: ten thousand mutated objects per device load or fail cleanly within a second each", "[loaders][hostile]") {
+  // Real objects from the device's own compiler: one the fast loader takes, one it leaves to ORC
+  // (an .init_array), one that calls a helper (a GOT entry and a call stub).
+  const KernelSource with_ctor{
+      "@llvm.global_ctors = appending global [1 x { i32, ptr, ptr }] [{ i32, ptr, ptr } { i32 65535, ptr @init, ptr null }]\n"
+      "declare i32 @getpid()\n"
+      "define internal void @init() {\n  %p = call i32 @getpid()\n  ret void\n}\n" +
+          kernels::add_f32(SourceLanguage::LLVMIR),
+      "int getpid(void);\n__attribute__((constructor)) static void init(void) { getpid(); }\n" +
+          kernels::add_f32(SourceLanguage::C)};
+  const KernelSource calls_libm{
+      "declare float @sinf(float)\n"
+      "define void @add(ptr noalias %o, ptr noalias %a, ptr noalias %b, i32 %n) {\n"
+      "  %x = load float, ptr %a\n  %s = call float @sinf(float %x)\n  store float %s, ptr %o\n  ret void\n}\n",
+      "float sinf(float);\nvoid add(float* restrict o, const float* restrict a, const float* restrict b, int n) { o[0] = sinf(a[0]); }\n"};
+  const std::uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  for_each_backend([&](Compiled& dev) {
+    if (!cpu_runtime(dev)) return;
+    std::vector<Blob> objects;
+    for (const std::string& src : {kernels::add_f32(dev.source_language()), with_ctor.for_device(dev), calls_libm.for_device(dev)}) {
+      const Blob wrapped = dev.compiler().compile(src);
+      const auto object = cpu::unwrap_object(wrapped).object;
+      objects.emplace_back(object.begin(), object.end());
+    }
+    std::mt19937_64 rng(seed);
+    int loaded = 0, rejected = 0;
+    double slowest = 0;
+    for (int i = 0; i < 10000; ++i) {
+      const Blob damaged = mutate_object(objects[i % objects.size()], rng);
+      const auto start = std::chrono::steady_clock::now();
+      try {
+        auto prg = dev.runtime().load("add", damaged);
+        loaded += prg != nullptr;
+      } catch (const Error&) {
+        ++rejected;  // a tinydev::Error saying what is wrong; anything else fails the test
+      }
+      slowest = std::max(slowest, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    }
+    INFO(dev.name() << ": " << loaded << " loaded, " << rejected << " rejected, slowest " << slowest * 1e3 << " ms");
+    CHECK(loaded + rejected == 10000);
+    CHECK(rejected > 1000);  // the damage is real
+    CHECK(slowest < 1.0);
+  });
 }
 
 TEST_CASE("loaders: C kernel signatures are read from the source", "[loaders]") {

@@ -21,7 +21,7 @@ TEST_CASE("canonicalize: more cases", "[registry]") {
   CHECK(canonicalize("cuda:20") == "CUDA:20");
   CHECK(canonicalize("disk:/tmp/Mixed:Case") == "DISK:/tmp/Mixed:Case");
   CHECK(canonicalize("disk:/tmp/a:0") == "DISK:/tmp/a");  // one trailing ":0" goes
-  CHECK(canonicalize("disk:/tmp/a:0:0") == "DISK:/tmp/a:0");
+  CHECK(canonicalize("disk:/tmp/a:0:0") == "DISK:/tmp/a");  // every trailing ":0" (Note [Trailing :0])
   CHECK(canonicalize("npy:x") == "NPY:x");
   CHECK(canonicalize("my_dev2:3") == "MY_DEV2:3");
   CHECK(canonicalize(canonicalize("cuda:1")) == "CUDA:1");  // idempotent
