@@ -5,7 +5,7 @@ set -euo pipefail
 TINYDEV_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 TINYDEV_PACKAGES=(
   cmake ninja-build g++ pkg-config ccache
-  llvm-19-dev libzstd-dev clang-19
+  llvm-19-dev libzstd-dev clang-19 libclang-rt-19-dev
   libfmt-dev libxxhash-dev catch2 nlohmann-json3-dev
 )
 

@@ -256,6 +256,7 @@ struct DiskCache::Impl {
     };
     std::vector<File> files;
     std::uint64_t total = 0;
+    stats.scans += 1;
     const int scan_fd = ::dup(folder_fd.fd);
     DIR* d = scan_fd >= 0 ? ::fdopendir(scan_fd) : nullptr;
     if (!d) {

@@ -3,6 +3,9 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <system_error>
 #include <chrono>
 #include <cstring>
 #include <random>
@@ -54,9 +57,24 @@ int demo(const std::string& device_name) {
   const double cold_s = seconds_since(t0);
   dev.compiler().compile_cached(src);  // make sure the entry is on disk
   DiskCache::global().drop_memory_layer();
+  const DiskCache::Stats before = DiskCache::global().stats();
   t0 = std::chrono::steady_clock::now();
   Blob cached = dev.compiler().compile_cached(src);
   const double cached_s = seconds_since(t0);
+  const DiskCache::Stats after = DiskCache::global().stats();
+  // Say where the second compile came from, as it happened (a disabled or memory-only cache
+  // compiles again, and the time shows that).
+  std::string cached_from;
+  if (settings().disable_compiler_cache)
+    cached_from = "not cached: TINYDEV_DISABLE_COMPILER_CACHE=1, so this was another real compile";
+  else if (!dev.compiler().cache_key())
+    cached_from = "not cached: this device's compiler has no cache key";
+  else if (after.disk_hits > before.disk_hits)
+    cached_from = fmt::format("from the disk cache in {}", DiskCache::global().folder());
+  else if (after.memory_hits > before.memory_hits)
+    cached_from = "from the in-process cache: the disk layer is not in use (TINYDEV_DEBUG=1 says why)";
+  else
+    cached_from = "not cached: the cache missed, so this was another real compile (TINYDEV_DEBUG=1 says why)";
   std::shared_ptr<Program> add = dev.runtime().load("add", cached);
 
   std::mt19937 rng(std::random_device{}());
@@ -82,8 +100,7 @@ int demo(const std::string& device_name) {
 
   fmt::print("device          {} ({} kernels)\n", dev.name(), to_string(dev.source_language()));
   fmt::print("compile cold    {:.3f} ms\n", cold_s * 1e3);
-  fmt::print("compile cached  {:.3f} ms (from the disk cache in {})\n", cached_s * 1e3,
-             DiskCache::global().folder().empty() ? "memory" : DiskCache::global().folder());
+  fmt::print("compile cached  {:.3f} ms ({})\n", cached_s * 1e3, cached_from);
   fmt::print("kernel          {:.3f} ms for {} floats (best of 10)\n", best * 1e3, n);
   fmt::print("bandwidth       {:.2f} GB/s (3 x {} MiB moved)\n", 3.0 * n * 4 / best / 1e9, n * 4 >> 20);
   if (wrong != 0) {
@@ -96,8 +113,33 @@ int demo(const std::string& device_name) {
 
 }  // namespace
 
+// Everything a command printed must have reached stdout, and a requested profile its file: a
+// failure there is the command's failure (exit 1), not a silent success.
+static int finish(int rc) {
+  if (std::fflush(stdout) != 0 || std::ferror(stdout)) {
+    fmt::print(stderr, "tinydev: cannot write to standard output: {}\n", std::strerror(errno));
+    return 1;
+  }
+  if (tinydev::Profiler::global().enabled()) {
+    try {
+      tinydev::Profiler::global().write();
+    } catch (const tinydev::Error& e) {
+      fmt::print(stderr, "tinydev: {}\n", e.what());
+      return 1;
+    }
+  }
+  return rc;
+}
+
+static int run(const std::vector<std::string>& args);
+
 int main(int argc, char** argv) {
   std::vector<std::string> args(argv + 1, argv + argc);
+  const int rc = run(args);
+  return rc == 2 ? rc : finish(rc);
+}
+
+static int run(const std::vector<std::string>& args) {
   if (args.empty()) return usage_error("missing command");
   try {
     tinydev::settings();  // an invalid TINYDEV_* variable is a usage error, before anything opens
@@ -130,6 +172,9 @@ int main(int argc, char** argv) {
     return usage_error(fmt::format("unknown command '{}'", args[0]));
   } catch (const tinydev::InvalidArgument& e) {
     return usage_error(e.what());  // a bad argument, e.g. a device this build does not have
+  } catch (const std::system_error& e) {  // fmt could not write (stdout closed or full)
+    fmt::print(stderr, "tinydev: cannot write to standard output: {}\n", e.what());
+    return 1;
   } catch (const std::exception& e) {
     fmt::print(stderr, "tinydev: {}\n", e.what());
     return 1;

@@ -115,6 +115,7 @@ ProcessResult run_process(const std::vector<std::string>& argv, std::string_view
 
   // Feed stdin and drain both outputs at once, so no pipe fills up and deadlocks the child.
   ProcessResult result;
+  result.pid = pid;
   std::size_t written = 0;
   if (input.empty()) in.close_end(1);
   else ::fcntl(in.fd[1], F_SETFL, O_NONBLOCK);

@@ -15,6 +15,7 @@ struct ProcessResult {
   std::string out;         // stdout, bytes verbatim
   std::string err;         // stderr
   bool timed_out = false;  // killed (with its process group) because it ran past the timeout
+  int pid = -1;            // the process (and its process group), reaped by the time this returns
 };
 
 // Runs argv[0] (searched on PATH) with `input` on stdin, in a process group of its own. Past

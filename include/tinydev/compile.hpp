@@ -46,6 +46,8 @@ class DiskCache {
     // Folders not used and entries not loaded because another user could have written them
     // (Note [Cache trust] in src/disk_cache.cpp): the process then caches in memory only / misses.
     std::uint64_t rejected_folders = 0, rejected_entries = 0;
+    // Full scans of the folder for the size bound (the first write, then only past the bound).
+    std::uint64_t scans = 0;
   };
 
   // The process-wide cache in settings().cache_dir.

@@ -9,6 +9,8 @@
 #pragma once
 
 #include <atomic>
+#include <cstddef>
+#include <cstdint>
 #include <cstdint>
 #include <functional>
 #include <mutex>
@@ -42,6 +44,9 @@ class Profiler {
   // file cannot be written. Returns the number of events written.
   std::size_t write(std::string path = "");
   std::vector<ProfileEvent> events() const;
+  // Whether the exit writer has anything to do: the path or the events changed since the last
+  // write() (successful or not). The exit writer skips the write when they did not.
+  bool changed_since_last_write() const;
   void clear();
   // Host steady-clock nanoseconds (the clock of start_ns/end_ns).
   static std::uint64_t now_ns() noexcept;
@@ -56,6 +61,8 @@ class Profiler {
   std::vector<ProfileEvent> events_;
   std::vector<std::pair<std::uint64_t, std::function<void()>>> hooks_;
   std::uint64_t next_token_ = 1;
+  std::string last_write_path_;
+  std::size_t last_write_events_ = SIZE_MAX;
 };
 
 }  // namespace tinydev

@@ -1,0 +1,3 @@
+void
+k(int* a, int n) { a[0] = n; }
+/* } */ { ( 
