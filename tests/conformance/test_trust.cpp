@@ -199,7 +199,7 @@ TEST_CASE("trust: a clang that prints garbage is a CompileError quoting it and n
   CHECK_THROWS_AS(dev.load_kernel("add", src), CompileError);  // still not cached: compiled (and refused) again
 }
 
-TEST_CASE("trust: a malformed object is an error that says what is wrong and on every CPU device", "[trust]") {
+TEST_CASE("trust: a malformed object is an error that says what is wrong on every CPU device", "[trust]") {
   for_each_backend([](Compiled& dev) {
     if (dev.source_language() != SourceLanguage::LLVMIR && dev.source_language() != SourceLanguage::C) return;
     const Blob wrapped = dev.compiler().compile(kernels::add_f32(dev.source_language()));

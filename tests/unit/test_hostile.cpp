@@ -437,7 +437,7 @@ TEST_CASE("cache trust: a folder or entry owned by another user is not used", "[
   CHECK(DiskCache::global().stats().disk_hits == before.disk_hits);
 }
 
-TEST_CASE("cache trust: group-writable and FIFO directory symlink and huge sparse entries are fast misses", "[hostile][cache]") {
+TEST_CASE("cache trust: group-writable entries and FIFOs and directories and symlinks and huge sparse files are fast misses", "[hostile][cache]") {
   TempDir dir;
   ScopedOverride f("TINYDEV_CACHE_DIR", dir.str());
   FakeCompiler c;
