@@ -489,7 +489,7 @@ ElfLoadResult load_elf_x86_64(std::span<const std::byte> blob, std::string_view 
   for (auto [sym, slot] : stub_slot) {
     unsigned char* stub = base + stubs_at + slot * kStub;
     const std::int64_t disp = static_cast<std::int64_t>(got_at + got_slot.at(sym) * 8) -
-                              static_cast<std::int64_t>(stubs_at + slot * kStub + 6);
+                              static_cast<std::int64_t>(stubs_at + slot * kStub + 6);  // both < 2^40
     const std::int32_t d32 = static_cast<std::int32_t>(disp);
     stub[0] = 0xff;
     stub[1] = 0x25;
@@ -523,6 +523,10 @@ ElfLoadResult load_elf_x86_64(std::span<const std::byte> blob, std::string_view 
         std::memcpy(where, &v32, 4);
         return true;
       };
+      // Relocation arithmetic is modulo 2^64 (a hostile addend must not be signed overflow).
+      auto sum = [](std::uint64_t s, std::int64_t a, std::int64_t p) {
+        return static_cast<std::int64_t>(s + static_cast<std::uint64_t>(a) - static_cast<std::uint64_t>(p));
+      };
       switch (type) {
         case R_X86_64_NONE:
           break;
@@ -536,7 +540,7 @@ ElfLoadResult load_elf_x86_64(std::span<const std::byte> blob, std::string_view 
         case R_X86_64_PC64: {
           if (target.sh_size - rel.r_offset < 8) return malformed("relocation outside its section");
           if (!symbol_address(sym, S)) return result;
-          const std::int64_t v = static_cast<std::int64_t>(S) + A - P;
+          const std::int64_t v = sum(S, A, P);
           std::memcpy(where, &v, 8);
           break;
         }
@@ -546,7 +550,7 @@ ElfLoadResult load_elf_x86_64(std::span<const std::byte> blob, std::string_view 
             S = reinterpret_cast<std::uintptr_t>(base + stubs_at + stub->second * kStub);
           else if (!symbol_address(sym, S))
             return result;
-          if (!write32(static_cast<std::int64_t>(S) + A - P))
+          if (!write32(sum(S, A, P)))
             return decline(fmt::format("a 32-bit PC-relative reference to '{}' is out of range",
                                        elf.symbol_name(elf.symbols[sym])));
           break;
@@ -556,13 +560,13 @@ ElfLoadResult load_elf_x86_64(std::span<const std::byte> blob, std::string_view 
         case R_X86_64_REX_GOTPCRELX: {
           const std::int64_t G =
               static_cast<std::int64_t>(reinterpret_cast<std::uintptr_t>(base + got_at + got_slot.at(sym) * 8));
-          if (!write32(G + A - P)) return decline("GOT out of range");
+          if (!write32(sum(static_cast<std::uint64_t>(G), A, P))) return decline("GOT out of range");
           break;
         }
         case R_X86_64_32:
         case R_X86_64_32S: {
           if (!symbol_address(sym, S)) return result;
-          const std::int64_t v = static_cast<std::int64_t>(S) + A;
+          const std::int64_t v = sum(S, A, 0);
           if (type == R_X86_64_32 ? (v < 0 || v > 0xffffffffll) : !write32(v))
             return decline("a 32-bit absolute reference out of range (object not built -fPIC)");
           if (type == R_X86_64_32) {
