@@ -34,6 +34,7 @@ struct Buffer::State {
   // the size and options it is freed with.
   std::size_t alloc_bytes = 0;
   BufferOptions alloc_options;
+  bool adopted = false;  // given back with release_adopted
 
   std::size_t nbytes() const noexcept { return size * dtype.itemsize; }  // checked at construction
   bool counts_memory() const noexcept { return !device.starts_with("DISK"); }
@@ -42,7 +43,8 @@ struct Buffer::State {
     if (!buf || base) return;
     if (counts_memory()) GlobalCounters::mem_used -= static_cast<std::int64_t>(nbytes());
     try {
-      allocator->free(*buf, alloc_bytes, alloc_options);
+      if (adopted) allocator->release_adopted(*buf, alloc_bytes, alloc_options);
+      else allocator->free(*buf, alloc_bytes, alloc_options);
     } catch (const std::exception& e) {
       debug_log(1, "tinydev: freeing a {}-byte buffer on {} failed: {}", nbytes(), device, e.what());
     }
@@ -69,20 +71,22 @@ struct Buffer::State {
               "cannot adopt an allocation of {} bytes for a buffer of {} bytes on {}: adopt one at "
               "least as large",
               opaque->size, nbytes(), device));
-        // The buffer frees what it adopts, so it must be an allocation this device's allocator
-        // handed out: freeing anything else would be a double free or a foreign pointer.
+        // The buffer frees what it adopts, so it must be a live allocation of this device's
+        // allocator, and it becomes the buffer's: the allocator then refuses a plain free of it and
+        // a second adoption (either would free memory someone else may hold by then).
         std::optional<Allocator::LiveInfo> info = alloc->live_info(*opaque);
-        if (!info)
-          throw InvalidArgument(fmt::format(
-              "cannot adopt the allocation at {:#x} on {}: {} did not hand it out (or it was freed); "
-              "a buffer frees what it adopts, so adopt only live allocations of this device's allocator",
-              opaque->va_addr, device, alloc->describe()));
-        if (info->size < nbytes())
+        if (info && info->size < nbytes())
           throw InvalidArgument(fmt::format(
               "cannot adopt an allocation of {} bytes for a buffer of {} bytes on {}: adopt one at "
               "least as large",
               info->size, nbytes(), device));
+        try {
+          info = alloc->adopt(*opaque);
+        } catch (const InvalidArgument& e) {
+          throw InvalidArgument(fmt::format("cannot adopt on {}: {}", device, e.what()));
+        }
         buf = *opaque;
+        adopted = true;
         alloc_bytes = info->size;
         alloc_options = info->options;
       } else {

@@ -55,7 +55,7 @@ State& state() {
 bool parse_flag(std::string_view var, const std::string& v) {
   if (v == "0") return false;
   if (v == "1") return true;
-  throw InvalidArgument(fmt::format("{}='{}' is not a valid flag: set it to 0 or 1", var, v));
+  throw InvalidArgument(fmt::format("{}='{}' is not a valid flag: set it to 0 or 1", var, quote_for_message(v)));
 }
 
 int parse_int(std::string_view var, const std::string& v, int lo, int hi) {
@@ -63,7 +63,7 @@ int parse_int(std::string_view var, const std::string& v, int lo, int hi) {
   auto [p, ec] = std::from_chars(v.data(), v.data() + v.size(), out);
   if (ec != std::errc() || p != v.data() + v.size() || out < lo || out > hi)
     throw InvalidArgument(
-        fmt::format("{}='{}' is not valid: set it to an integer from {} to {}", var, v, lo, hi));
+        fmt::format("{}='{}' is not valid: set it to an integer from {} to {}", var, quote_for_message(v), lo, hi));
   return out;
 }
 
@@ -275,7 +275,7 @@ std::uint64_t parse_byte_count(std::string_view text, std::string_view what) {
   if (ec != std::errc() || mult == 0 || value > UINT64_MAX / mult)
     throw InvalidArgument(fmt::format(
         "{}='{}' is not a byte count: write an integer, optionally followed by K, M or G", what,
-        text));
+        quote_for_message(text)));
   return value * mult;
 }
 

@@ -219,8 +219,8 @@ struct DiskCache::Impl {
     }
     if (std::string why = distrust(st, true); !why.empty()) {
       stats.rejected_folders += 1;
-      // Not subject to TINYDEV_DEBUG's "once it printed" rule: this is a security decision the user
-      // should hear about whenever logs are on.
+      // Said once per configured folder, when TINYDEV_DEBUG>=1 at the time of the check; always
+      // counted in stats().rejected_folders.
       warn_once(fmt::format("folder '{}' {}: it is not used, since any code in it would run as this "
                             "user (Note [Cache trust]); chmod go-w it or set TINYDEV_CACHE_DIR to a "
                             "folder of your own",
@@ -258,11 +258,12 @@ struct DiskCache::Impl {
     std::uint64_t total = 0;
     stats.scans += 1;
     const int scan_fd = ::dup(folder_fd.fd);
-    DIR* d = scan_fd >= 0 ? ::fdopendir(scan_fd) : nullptr;
-    if (!d) {
+    std::unique_ptr<DIR, int (*)(DIR*)> dir_stream(scan_fd >= 0 ? ::fdopendir(scan_fd) : nullptr, &::closedir);
+    if (!dir_stream) {
       if (scan_fd >= 0) ::close(scan_fd);
       return;
     }
+    DIR* d = dir_stream.get();
     ::rewinddir(d);
     struct timespec now {};
     ::clock_gettime(CLOCK_REALTIME, &now);
@@ -281,7 +282,7 @@ struct DiskCache::Impl {
       files.push_back({std::string(fname), size, st.st_mtim.tv_sec * 1'000'000'000ll + st.st_mtim.tv_nsec});
       total += size;
     }
-    ::closedir(d);
+    dir_stream.reset();
     if (total > max_bytes) {
       std::sort(files.begin(), files.end(), [](const File& a, const File& b) { return a.mtime_ns < b.mtime_ns; });
       const std::uint64_t target = low_water(max_bytes);

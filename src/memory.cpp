@@ -15,20 +15,25 @@ namespace tinydev {
 
 // ---- LiveAllocations ---------------------------------------------------------------------------
 
+void detail::LiveAllocations::place(std::vector<Record>& slots, const Record& r) noexcept {
+  const std::size_t mask = slots.size() - 1;
+  std::uint64_t h = (r.va_addr ^ reinterpret_cast<std::uintptr_t>(r.backend)) * 0x9e3779b97f4a7c15ull;
+  std::size_t i = static_cast<std::size_t>(h >> 32) & mask;
+  while (slots[i].size) i = (i + 1) & mask;
+  slots[i] = r;
+}
+
 void detail::LiveAllocations::grow() {
-  std::vector<Record> old = std::move(slots_);
-  slots_.assign(old.empty() ? 64 : old.size() * 2, Record{});
-  count_ = 0;
-  for (const Record& r : old)
-    if (r.size) insert(Allocation{r.va_addr, r.size, r.backend}, r.size, r.options);
+  // The new table is built aside and swapped in: if it cannot be allocated, nothing changed.
+  std::vector<Record> fresh(slots_.empty() ? 64 : slots_.size() * 2);
+  for (const Record& r : slots_)
+    if (r.size) place(fresh, r);
+  slots_.swap(fresh);
 }
 
 void detail::LiveAllocations::insert(const Allocation& a, std::uint64_t size, std::uint8_t options) {
   if ((count_ + 1) * 2 > slots_.size()) grow();  // at most half full: probes stay short
-  const std::size_t mask = slots_.size() - 1;
-  std::size_t i = slot_of(a.va_addr, a.backend);
-  while (slots_[i].size) i = (i + 1) & mask;
-  slots_[i] = Record{a.va_addr, a.backend, size, options};
+  place(slots_, Record{a.va_addr, a.backend, size, options, false});
   ++count_;
 }
 
@@ -77,7 +82,7 @@ Allocation Allocator::alloc(std::size_t size, const BufferOptions& options) {
 }
 
 const detail::LiveAllocations::Record* Allocator::check_free(const Allocation& allocation, std::size_t size,
-                                                             const BufferOptions& options) {
+                                                             const BufferOptions& options, bool adopted) {
   const detail::LiveAllocations::Record* r = live_.find(allocation);
   if (!r) [[unlikely]] {
     ++rejected_frees_;
@@ -94,7 +99,41 @@ const detail::LiveAllocations::Record* Allocator::check_free(const Allocation& a
         "with {} bytes and options {:#x}: pass the size and options it was allocated with",
         describe(), allocation.va_addr, size, options.bits(), r->size, r->options));
   }
+  if (r->adopted != adopted) [[unlikely]] {
+    ++rejected_frees_;
+    throw InvalidArgument(fmt::format(
+        "{}: free of the allocation at {:#x}, which a Buffer adopted: the buffer owns it now and frees "
+        "it when its last handle goes; drop the buffer instead",
+        describe(), allocation.va_addr));
+  }
   return r;
+}
+
+Allocator::LiveInfo Allocator::adopt(const Allocation& allocation) {
+  std::lock_guard lock(mutex_);
+  detail::LiveAllocations::Record* r = live_.find(allocation);
+  if (!r)
+    throw InvalidArgument(fmt::format(
+        "{} did not hand out the allocation at {:#x} (or it was freed): a buffer frees what it adopts, so "
+        "adopt only live allocations of this device's allocator",
+        describe(), allocation.va_addr));
+  if (r->adopted)
+    throw InvalidArgument(fmt::format("the allocation at {:#x} is adopted by another buffer already: share "
+                                      "that Buffer (copies of a Buffer share its memory) instead",
+                                      allocation.va_addr));
+  r->adopted = true;
+  return LiveInfo{r->size, BufferOptions::from_bits(r->options)};
+}
+
+void Allocator::release_adopted(Allocation allocation, std::size_t size, const BufferOptions& options) {
+  {
+    std::lock_guard lock(mutex_);
+    // Checked as the adopter's free, then unmarked: the free below is then an ordinary one.
+    const detail::LiveAllocations::Record* r = check_free(allocation, size, options, true);
+    live_.find(allocation)->adopted = false;
+    (void)r;
+  }
+  free(allocation, size, options);
 }
 
 void Allocator::free(Allocation allocation, std::size_t size, const BufferOptions& options) {
@@ -213,7 +252,7 @@ Allocation LRUAllocator::alloc(std::size_t size, const BufferOptions& options) {
     if (it != buckets_.end() && it->second.newest) {
       Entry* e = it->second.newest;
       Allocation a = e->allocation;
-      live_.insert(a, size, options.bits());  // may throw bad_alloc: then nothing changed
+      live_.insert(a, size, options.bits());  // may throw bad_alloc (growing): then nothing changed
       unlink(e);
       stats_.hits += 1;
       return a;
@@ -272,7 +311,9 @@ void LRUAllocator::free(Allocation allocation, std::size_t size, const BufferOpt
     std::lock_guard lock(mutex_);
     const detail::LiveAllocations::Record* record = check_free(allocation, size, options);
     Key key{size, options.bits()};
-    Bucket& bucket = buckets_[key];  // these two may throw bad_alloc: nothing has changed yet
+    // These may throw bad_alloc: nothing has changed yet.
+    if (cap && stats_.bytes_cached + size > cap) evicted.reserve(stats_.entries_cached + 1);
+    Bucket& bucket = buckets_[key];
     Entry* e = new_entry();
     live_.erase(record);
     e->allocation = allocation;

@@ -65,9 +65,9 @@ void Profiler::register_exit_writer() {
   std::atexit([] {
     try {
       // A write() that already put every event in this file (a tool checking the result itself)
-      // needs no second one, and a failed one needs no second message.
-      if (!Profiler::global().changed_since_last_write()) return;
-      std::size_t n = Profiler::global().write();
+      // needs no second one, and a failed one needs no second message. Pending device records
+      // are flushed into events first, so work done after that write() is not lost.
+      std::size_t n = Profiler::global().write_impl("", /*skip_if_unchanged=*/true);
       debug_log(1, "tinydev: wrote {} profile events", n);
     } catch (const std::exception& e) {
       std::fprintf(stderr, "tinydev: could not write the profile: %s\n", e.what());
@@ -107,13 +107,10 @@ void Profiler::clear() {
   last_write_events_ = SIZE_MAX;
 }
 
-bool Profiler::changed_since_last_write() const {
-  std::lock_guard lock(mutex_);
-  const std::string path = !path_override_.empty() ? path_override_ : settings().profile;
-  return path != last_write_path_ || events_.size() != last_write_events_;
-}
 
-std::size_t Profiler::write(std::string path) {
+std::size_t Profiler::write(std::string path) { return write_impl(std::move(path), false); }
+
+std::size_t Profiler::write_impl(std::string path, bool skip_if_unchanged) {
   std::vector<std::function<void()>> hooks;
   {
     std::lock_guard lock(mutex_);
@@ -123,6 +120,7 @@ std::size_t Profiler::write(std::string path) {
   }
   for (auto& hook : hooks) hook();  // outside the lock: hooks add events
   std::lock_guard lock(mutex_);
+  if (skip_if_unchanged && path == last_write_path_ && events_.size() == last_write_events_) return 0;
   std::map<std::string, int> pids;
   for (const ProfileEvent& e : events_) pids.emplace(e.device, static_cast<int>(pids.size()) + 1);
   std::string out = "{\"traceEvents\":[\n";

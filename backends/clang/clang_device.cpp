@@ -54,8 +54,14 @@ class ClangCompiler final : public Compiler {
                                      "raise TINYDEV_COMPILE_TIMEOUT if the kernel is that large",
                                      path_, timeout_s),
                          r.err);
+    if (r.output_overflow)
+      throw CompileError(fmt::format("{} wrote more than {} bytes while compiling the kernel and was killed",
+                                     path_, clang_backend::kMaxOutputBytes),
+                         r.err.substr(0, 4096));
     if (r.exit_code != 0)
-      throw CompileError(fmt::format("{} failed to compile the kernel (exit code {})", path_, r.exit_code),
+      throw CompileError(fmt::format("{} failed to compile the kernel ({})", path_,
+                                     r.exit_code < 0 ? std::string("its exit status was lost: was SIGCHLD ignored?")
+                                                     : fmt::format("exit code {}", r.exit_code)),
                          r.err);
     // What came back is about to be cached and run: it must be an object for this host, or the
     // compile failed whatever the exit code says (a wrapper script, a broken install).

@@ -114,6 +114,18 @@ ProcessResult run_process(const std::vector<std::string>& argv, std::string_view
   err.close_end(1);
 
   // Feed stdin and drain both outputs at once, so no pipe fills up and deadlocks the child.
+  // Whatever happens below (an allocation failure included), the child is killed and reaped.
+  struct Reaper {
+    pid_t pid;
+    bool armed = true;
+    ~Reaper() {
+      if (!armed) return;
+      ::kill(-pid, SIGKILL);
+      int status = 0;
+      while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+      }
+    }
+  } reaper{pid};
   ProcessResult result;
   result.pid = pid;
   std::size_t written = 0;
@@ -148,23 +160,40 @@ ProcessResult run_process(const std::vector<std::string>& argv, std::string_view
     for (auto [idx, pipe, sink] : {std::tuple{idx_out, &out, &result.out}, std::tuple{idx_err, &err, &result.err}}) {
       if (idx < 0 || !fds[idx].revents) continue;
       ssize_t r = ::read(pipe->fd[0], chunk, sizeof chunk);
+      if (r > 0 && sink->size() + static_cast<std::size_t>(r) > kMaxOutputBytes) {
+        result.output_overflow = true;  // a runaway or hostile compiler: stop it now
+        result.timed_out = false;
+        goto stop;
+      }
       if (r > 0) sink->append(chunk, static_cast<std::size_t>(r));
       else if (r == 0 || (errno != EINTR && errno != EAGAIN)) pipe->close_end(0);
     }
   }
+stop:
   in.close_end(1);
   // Reap it. A child that closed its output but does not exit still gets only the time left.
   int status = 0;
-  while (!result.timed_out) {
+  bool reaped = false;
+  while (!result.timed_out && !result.output_overflow) {
     const pid_t r = ::waitpid(pid, &status, WNOHANG);
-    if (r == pid || (r < 0 && errno != EINTR)) break;
+    if (r == pid) {
+      reaped = true;
+      break;
+    }
+    if (r < 0 && errno != EINTR) break;  // ECHILD: someone else reaped it (SIGCHLD ignored)
     if (std::chrono::steady_clock::now() >= deadline) result.timed_out = true;
     else if (r == 0) ::usleep(1000);
   }
-  if (result.timed_out) {
+  reaper.armed = false;
+  if (result.timed_out || result.output_overflow) {
     ::kill(-pid, SIGKILL);  // the group: the compiler and whatever it started
     while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
     }
+    reaped = true;
+  }
+  if (!reaped) {
+    result.exit_code = -1;  // the status is unknown: never taken for success
+    return result;
   }
   result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
   return result;

@@ -4,17 +4,23 @@
 #pragma once
 
 #include <chrono>
+#include <cstddef>
 #include <string>
 #include <string_view>
 #include <vector>
 
 namespace tinydev::clang_backend {
 
+// The most bytes kept of each of stdout and stderr; more is a runaway process, killed at once.
+inline constexpr std::size_t kMaxOutputBytes = 256u << 20;
+
 struct ProcessResult {
-  int exit_code = -1;      // the exit status, or 128 + signal number when killed by a signal
+  int exit_code = -1;      // the exit status, 128 + signal number when killed by a signal, -1 when
+                           // the status could not be learned (the process was reaped elsewhere)
   std::string out;         // stdout, bytes verbatim
   std::string err;         // stderr
   bool timed_out = false;  // killed (with its process group) because it ran past the timeout
+  bool output_overflow = false;  // killed because it wrote more than kMaxOutputBytes
   int pid = -1;            // the process (and its process group), reaped by the time this returns
 };
 

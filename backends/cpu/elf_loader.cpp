@@ -81,7 +81,7 @@ struct Aligned {
   std::vector<std::uint64_t> storage;
   std::span<const std::byte> bytes;
   explicit Aligned(std::span<const std::byte> blob) : bytes(blob) {
-    if (reinterpret_cast<std::uintptr_t>(blob.data()) % alignof(Elf64_Ehdr) == 0) return;
+    if (blob.empty() || reinterpret_cast<std::uintptr_t>(blob.data()) % alignof(Elf64_Ehdr) == 0) return;
     storage.resize((blob.size() + 7) / 8);
     std::memcpy(storage.data(), blob.data(), blob.size());
     bytes = std::span<const std::byte>(reinterpret_cast<const std::byte*>(storage.data()), blob.size());
@@ -113,7 +113,7 @@ std::uint64_t relocation_width(std::uint16_t machine, std::uint32_t type) {
   }
   if (machine == EM_AARCH64) {
     if (type == R_AARCH64_NONE) return 1;
-    if (type == R_AARCH64_ABS64 || type == R_AARCH64_PREL64) return 8;
+    if (type == R_AARCH64_ABS64 || type == R_AARCH64_PREL64 || type == 307 /* GOTREL64 */) return 8;
     // Every other static AArch64 relocation patches one 32-bit instruction or word.
     if ((type >= 257 && type <= 313) || (type >= 512 && type <= 573)) return 4;
     return 0;
@@ -510,7 +510,7 @@ ElfLoadResult load_elf_x86_64(std::span<const std::byte> blob, std::string_view 
     for (const Elf64_Rela& rel : std::span<const Elf64_Rela>(
              reinterpret_cast<const Elf64_Rela*>(elf.data + r.sh_offset), r.sh_size / sizeof(Elf64_Rela))) {
       const std::uint32_t sym = ELF64_R_SYM(rel.r_info), type = ELF64_R_TYPE(rel.r_info);
-      if (type != R_X86_64_NONE && (rel.r_offset > target.sh_size || target.sh_size - rel.r_offset < 4))
+      if (rel.r_offset > target.sh_size || target.sh_size - rel.r_offset < relocation_width(EM_X86_64, type))
         return malformed("relocation outside its section");
       unsigned char* where = base + place[r.sh_info] + rel.r_offset;
       const std::int64_t P = static_cast<std::int64_t>(reinterpret_cast<std::uintptr_t>(where));

@@ -71,8 +71,9 @@ class ScopedOverride {
 std::uint64_t parse_byte_count(std::string_view text, std::string_view what);
 
 namespace detail {
-// Parses `values` (variable name -> value) as if they were the whole environment, touching no
-// process state: for the CLI, tools and the settings fuzzer. Throws InvalidArgument as settings().
+// Parses `values` (variable name -> value) as if they were the whole TINYDEV_* environment,
+// changing no process state (XDG_CACHE_HOME and HOME are still read for the default cache folder):
+// for tools and the settings fuzzer. Throws InvalidArgument as settings() does.
 Settings parse_settings(const std::map<std::string, std::string, std::less<>>& values);
 }  // namespace detail
 

@@ -75,6 +75,7 @@ class LiveAllocations {
     void* backend = nullptr;
     std::uint64_t size = 0;  // 0 marks an empty slot (allocations are never empty)
     std::uint8_t options = 0;
+    bool adopted = false;    // owned by a Buffer that adopted it: only that Buffer frees it
   };
   LiveAllocations() = default;
   LiveAllocations(const LiveAllocations&) = delete;
@@ -83,6 +84,9 @@ class LiveAllocations {
   void insert(const Allocation& a, std::uint64_t size, std::uint8_t options);
   // The record of `a`, or nullptr when it is not live. Valid until the next insert or erase.
   const Record* find(const Allocation& a) const noexcept;
+  Record* find(const Allocation& a) noexcept {
+    return const_cast<Record*>(static_cast<const LiveAllocations*>(this)->find(a));
+  }
   void erase(const Record* record) noexcept;
   std::size_t size() const noexcept { return count_; }
 
@@ -92,6 +96,7 @@ class LiveAllocations {
     return static_cast<std::size_t>(h >> 32) & (slots_.size() - 1);
   }
   void grow();
+  static void place(std::vector<Record>& slots, const Record& r) noexcept;
   std::vector<Record> slots_;
   std::size_t count_ = 0;
 };
@@ -118,6 +123,13 @@ class Allocator {
   };
   std::optional<LiveInfo> live_info(const Allocation& allocation) const;
 
+  // Ownership transfer to a Buffer (Buffer::Params::adopt). `adopt` marks a live allocation as
+  // owned by its adopter and returns what it was allocated with; InvalidArgument when it is not
+  // live or already adopted. From then on a plain free of it is InvalidArgument (the adopter owns
+  // it), and the adopter gives it back with `release_adopted` (a free that expects the mark).
+  LiveInfo adopt(const Allocation& allocation);
+  void release_adopted(Allocation allocation, std::size_t size, const BufferOptions& options);
+
   // Host -> device and device -> host copies of exactly `src.size()` / `dest.size()` bytes.
   virtual void copyin(Allocation dest, std::span<const std::byte> src) = 0;
   virtual void copyout(std::span<std::byte> dest, Allocation src) = 0;
@@ -141,7 +153,7 @@ class Allocator {
   // InvalidArgument (changing nothing but the count of rejected frees) unless `allocation` is
   // live with this size and these options.
   const detail::LiveAllocations::Record* check_free(const Allocation& allocation, std::size_t size,
-                                                    const BufferOptions& options);
+                                                    const BufferOptions& options, bool adopted = false);
 
   mutable std::mutex mutex_;         // guards live_ (and, in LRUAllocator, its cache)
   detail::LiveAllocations live_;

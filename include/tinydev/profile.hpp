@@ -41,12 +41,11 @@ class Profiler {
   std::uint64_t on_flush(std::function<void()> hook);
   void remove_flush(std::uint64_t token);
   // Writes every event so far to `path` (TINYDEV_PROFILE's when empty). Throws Error when the
-  // file cannot be written. Returns the number of events written.
+  // file cannot be written. Returns the number of events written. The exit writer skips its write
+  // when, after flushing the devices, the path and the events are those of the last write()
+  // (successful or not), so a tool that wrote and checked the file gets no second write or message.
   std::size_t write(std::string path = "");
   std::vector<ProfileEvent> events() const;
-  // Whether the exit writer has anything to do: the path or the events changed since the last
-  // write() (successful or not). The exit writer skips the write when they did not.
-  bool changed_since_last_write() const;
   void clear();
   // Host steady-clock nanoseconds (the clock of start_ns/end_ns).
   static std::uint64_t now_ns() noexcept;
@@ -54,6 +53,7 @@ class Profiler {
  private:
   Profiler();
   void register_exit_writer();
+  std::size_t write_impl(std::string path, bool skip_if_unchanged);
   mutable std::mutex mutex_;
   std::atomic<bool> overridden_{false};  // enabled() is on hot paths: no lock
   std::string path_override_;

@@ -81,8 +81,9 @@ class DeviceRegistry {
   std::vector<std::string> opened() const;
 
   // Adds a backend type at run time (tests, out-of-tree backends). `suffix` says how canonicalize
-  // reads names of this type (ordinal or path). Throws InvalidArgument if the type exists or is
-  // not a valid name.
+  // reads names of this type (ordinal or path) from then on: register before naming devices of
+  // it, since a name canonicalized earlier under the verbatim rule may be refused afterwards.
+  // Throws InvalidArgument if the type exists or is not a valid name.
   void register_backend(std::string type, BackendFactory factory,
                         DeviceSuffix suffix = DeviceSuffix::ordinal);
 

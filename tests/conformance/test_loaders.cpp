@@ -141,7 +141,12 @@ TEST_CASE("loaders: ten thousand mutated objects per device load or fail cleanly
     INFO(dev.name() << ": " << loaded << " loaded, " << rejected << " rejected, slowest " << slowest * 1e3 << " ms");
     CHECK(loaded + rejected == 10000);
     CHECK(rejected > 1000);  // the damage is real
+    // The issue's bound is a second per load; sanitizers slow everything down several times.
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+    CHECK(slowest < 5.0);
+#else
     CHECK(slowest < 1.0);
+#endif
   });
 }
 

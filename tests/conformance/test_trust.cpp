@@ -162,6 +162,10 @@ TEST_CASE("trust: a compiler subprocess past its timeout is killed with its chil
     if (!group_dead) ::usleep(5000);
   }
   CHECK(group_dead);
+  // A process that floods its output is stopped at kMaxOutputBytes, not collected without end.
+  clang_backend::ProcessResult flood = clang_backend::run_process({"/bin/sh", "-c", "exec yes"}, "", std::chrono::seconds(60));
+  CHECK(flood.output_overflow);
+  CHECK(flood.out.size() <= clang_backend::kMaxOutputBytes);
   // A process that finishes in time is untouched.
   clang_backend::ProcessResult quick = clang_backend::run_process({"/bin/sh", "-c", "cat; echo done >&2"}, "hello", std::chrono::seconds(5));
   CHECK_FALSE(quick.timed_out);
