@@ -442,12 +442,12 @@ void bench_hostile_entries() {
   if (fd >= 0) ::close(fd);
   std::ofstream(path("other-user")) << "x";
   const bool chowned = ::geteuid() == 0 && ::chown(path("other-user").c_str(), 4242, 4242) == 0;
-  std::vector<std::pair<std::string, std::string>> kinds = {{"FIFO", "fifo"}, {"folder", "folder"}, {"symlink", "symlink"}};
-  if (sparse) kinds.emplace_back("1 TiB sparse file", "sparse");
+  std::vector<std::pair<std::string, std::string>> kinds = {{"a FIFO", "fifo"}, {"a folder", "folder"}, {"a symlink", "symlink"}};
+  if (sparse) kinds.emplace_back("a 1 TiB sparse file", "sparse");
   if (chowned) kinds.emplace_back("another user's file", "other-user");
   for (const auto& [what, source] : kinds) {
     const double lib = miss_ns(source);
-    row(fmt::format("cache miss on a {} entry, p50", what), fmt_ns(lib), fmt_ns(base), fmt::format("{:.2f}x", lib / base),
+    row(fmt::format("cache miss, entry is {}, p50", what), fmt_ns(lib), fmt_ns(base), fmt::format("{:.2f}x", lib / base),
         "< 10 ms (no file: baseline)", lib < 10e6);
   }
   std::filesystem::remove_all(dir);

@@ -30,6 +30,18 @@ std::vector<float> run(Program& prg, Compiled& dev, const std::vector<float>& a,
   return out;
 }
 
+// `add` plus a constructor (one the optimizer cannot evaluate away): the object gets an
+// .init_array section, which the fast loader leaves to ORC.
+KernelSource add_with_constructor() {
+  return KernelSource{
+      "@llvm.global_ctors = appending global [1 x { i32, ptr, ptr }] [{ i32, ptr, ptr } { i32 65535, ptr @init, ptr null }]\n"
+      "declare i32 @getpid()\n"
+      "define internal void @init() {\n  %p = call i32 @getpid()\n  ret void\n}\n" +
+          kernels::add_f32(SourceLanguage::LLVMIR),
+      "int getpid(void);\n__attribute__((constructor)) static void init(void) { getpid(); }\n" +
+          kernels::add_f32(SourceLanguage::C)};
+}
+
 }  // namespace
 
 TEST_CASE("loaders: ORC and the fast ELF loader give the same results", "[loaders]") {
@@ -56,13 +68,7 @@ TEST_CASE("loaders: ORC and the fast ELF loader give the same results", "[loader
 }
 
 TEST_CASE("loaders: an object the fast loader declines still loads through ORC", "[loaders]") {
-  // A constructor (one the optimizer cannot evaluate away) puts an .init_array section in the object, which the fast loader leaves to ORC.
-  const KernelSource with_ctor{
-      "@llvm.global_ctors = appending global [1 x { i32, ptr, ptr }] [{ i32, ptr, ptr } { i32 65535, ptr @init, ptr null }]\n"
-      "declare i32 @getpid()\n"
-      "define internal void @init() {\n  %p = call i32 @getpid()\n  ret void\n}\n" +
-          kernels::add_f32(SourceLanguage::LLVMIR),
-      "int getpid(void);\n__attribute__((constructor)) static void init(void) { getpid(); }\n" + kernels::add_f32(SourceLanguage::C)};
+  const KernelSource with_ctor = add_with_constructor();
   for_each_backend([&](Compiled& dev) {
     if (!cpu_runtime(dev)) return;
     Blob blob = dev.compiler().compile(with_ctor.for_device(dev));
@@ -102,13 +108,7 @@ TEST_CASE("loaders: the fast loader rejects garbage without crashing", "[loaders
 TEST_CASE("loaders: ten thousand mutated objects per device load or fail cleanly within a second each", "[loaders][hostile]") {
   // Real objects from the device's own compiler: one the fast loader takes, one it leaves to ORC
   // (an .init_array), one that calls a helper (a GOT entry and a call stub).
-  const KernelSource with_ctor{
-      "@llvm.global_ctors = appending global [1 x { i32, ptr, ptr }] [{ i32, ptr, ptr } { i32 65535, ptr @init, ptr null }]\n"
-      "declare i32 @getpid()\n"
-      "define internal void @init() {\n  %p = call i32 @getpid()\n  ret void\n}\n" +
-          kernels::add_f32(SourceLanguage::LLVMIR),
-      "int getpid(void);\n__attribute__((constructor)) static void init(void) { getpid(); }\n" +
-          kernels::add_f32(SourceLanguage::C)};
+  const KernelSource with_ctor = add_with_constructor();
   const KernelSource calls_libm{
       "declare float @sinf(float)\n"
       "define void @add(ptr noalias %o, ptr noalias %a, ptr noalias %b, i32 %n) {\n"
