@@ -153,7 +153,7 @@ void bench_calls() {
   const Allocation bufs[] = {o.allocation(), a.allocation(), b.allocation()};
   const std::int32_t vals[] = {static_cast<std::int32_t>(n)};
   using Fn = void (*)(float*, float*, float*, std::int32_t);
-  Fn volatile direct = reinterpret_cast<Fn>(prg->host_function());
+  Fn volatile direct = reinterpret_cast<Fn>(static_cast<const cpu::CpuProgram&>(*prg).host_function());
   float* po = o.allocation().host_ptr<float>();
   float* pa = a.allocation().host_ptr<float>();
   float* pb = b.allocation().host_ptr<float>();
@@ -209,7 +209,7 @@ struct SmallKernel {
     const Allocation bufs[] = {o.allocation(), a.allocation(), b.allocation()};
     const std::int32_t vals[] = {n};
     fill_kernargs(*prg, args, bufs, vals);
-    fn = reinterpret_cast<Fn>(prg->host_function());
+    fn = reinterpret_cast<Fn>(static_cast<const cpu::CpuProgram&>(*prg).host_function());
   }
   double direct_ns(std::size_t calls) {
     Fn volatile f = fn;

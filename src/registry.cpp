@@ -240,31 +240,4 @@ std::string DeviceRegistry::default_device() {
       "no usable devices:{}\nset TINYDEV_DEVICE to a device this machine can open", reasons));
 }
 
-// ---- Compiled (declared in device.hpp) ---------------------------------------------------------
-
-Compiled::Compiled(std::string name, std::shared_ptr<Allocator> allocator,
-                   std::unique_ptr<Compiler> compiler, std::unique_ptr<Runtime> runtime,
-                   SourceLanguage language)
-    : name_(std::move(name)),
-      allocator_(std::move(allocator)),
-      compiler_(compiler ? std::move(compiler) : std::make_unique<Compiler>()),
-      runtime_(std::move(runtime)),
-      language_(language) {}
-
-std::shared_ptr<Program> Compiled::load_kernel(std::string_view kernel_name, std::string_view source) {
-  if (!runtime_)
-    throw InvalidArgument(fmt::format("{} runs no kernels: it has no runtime", name_));
-  Blob blob = compiler_->compile_cached(source);
-  return runtime_->load(kernel_name, blob);
-}
-
-std::unique_ptr<Graph> Compiled::create_graph(std::vector<GraphNode> nodes) {
-  return make_eager_graph(*this, std::move(nodes));
-}
-
-std::map<std::string, std::string> Compiled::properties() const {
-  return {{"source language", std::string(to_string(language_))},
-          {"allocator", allocator_->describe()}};
-}
-
 }  // namespace tinydev

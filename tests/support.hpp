@@ -17,6 +17,18 @@
 
 namespace tinydev::testing {
 
+// Note [Skips reach ctest] in test_main.cpp: the exit code of a run whose tests all skipped.
+inline constexpr int kSkipExitCode = 4;
+// Skips the rest of the current test (or the current backend's run of it) with `reason`, which is
+// printed; the test's own code must return after calling it.
+void skip(const std::string& reason);
+// Marks that the current test did real work (the conformance suite calls it per backend run).
+void note_ran();
+// The name of the test case running now.
+const std::string& current_test_name();
+// The backend given with --backend, or "".
+const std::string& selected_backend();
+
 // A fresh seed per call, reported by Catch on failure so a failing run can be replayed.
 inline std::uint64_t fresh_seed() {
   static std::random_device rd;

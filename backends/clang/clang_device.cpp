@@ -1,13 +1,17 @@
 // The CLANG backend: C source in, compiled by the newest clang on PATH in a subprocess (source on
 // stdin, object on stdout: no temporary files, a TINYDEV_COMPILE_TIMEOUT limit), loaded by the CPU
-// object runtime (the fast ELF loader on x86-64, ORC otherwise).
+// object runtime (the fast ELF loader on x86-64; ORC's JITLink for the rest in builds with LLVM).
 #include <fmt/format.h>
 #include <xxhash.h>
 
 #include "cpu_blob.hpp"
 #include "cpu_hcq.hpp"
-#include "cpu_runtime.hpp"
 #include "elf_loader.hpp"
+#include "host.hpp"
+#include "object_runtime.hpp"
+#if TINYDEV_CLANG_WITH_ORC
+#include "orc_linker.hpp"
+#endif
 #include "subprocess.hpp"
 #include "tinydev/config.hpp"
 #include "tinydev/device.hpp"
@@ -98,7 +102,14 @@ std::unique_ptr<ClangCompiler> find_clang() {
 class ClangDevice final : public cpu::CpuHCQDevice {
  public:
   ClangDevice(const std::string& name, std::unique_ptr<ClangCompiler> compiler)
-      : CpuHCQDevice(name, std::move(compiler), SourceLanguage::C) {}
+      : CpuHCQDevice(name, std::move(compiler), SourceLanguage::C, [](const std::string& device, cpu::CallOrdering* ordering) {
+          // ORC takes what the fast loader declines where the build has LLVM (Note [Two object loaders]).
+#if TINYDEV_CLANG_WITH_ORC
+          return std::make_unique<cpu::ObjectRuntime>(device, ordering, cpu::make_orc_linker(device));
+#else
+          return std::make_unique<cpu::ObjectRuntime>(device, ordering, nullptr);
+#endif
+        }) {}
 
   std::map<std::string, std::string> properties() const override {
     auto props = CpuHCQDevice::properties();

@@ -1,5 +1,6 @@
 // The LLVM backend: LLVM IR text in, host object code out (what the compile cache stores), loaded
-// by the shared ORC object runtime. The only file of this backend that sees LLVM's headers.
+// by the CPU object runtime (the fast ELF loader on x86-64, ORC's JITLink for the rest). With
+// orc_linker.cpp the only files that see LLVM's headers.
 #include <fmt/format.h>
 #include <llvm/Analysis/CGSCCPassManager.h>
 #include <llvm/Analysis/LoopAnalysisManager.h>
@@ -15,11 +16,14 @@
 #include <llvm/Support/SourceMgr.h>
 #include <llvm/Support/raw_ostream.h>
 #include <llvm/Target/TargetMachine.h>
+#include <llvm/TargetParser/Host.h>
 #include <xxhash.h>
 
 #include "cpu_blob.hpp"
 #include "cpu_hcq.hpp"
-#include "cpu_runtime.hpp"
+#include "host.hpp"
+#include "object_runtime.hpp"
+#include "orc_linker.hpp"
 #include "tinydev/device.hpp"
 #include "tinydev/error.hpp"
 
@@ -27,10 +31,29 @@ namespace tinydev {
 
 namespace {
 
+// The host as LLVM sees it (the CPU name and feature names LLVM's code generator takes), which
+// differs from /proc/cpuinfo's spelling in cpu::host_target().
+const cpu::HostTarget& llvm_host_target() {
+  static const cpu::HostTarget target = [] {
+    cpu::initialize_llvm_native_target();
+    cpu::HostTarget t;
+    t.triple = llvm::sys::getProcessTriple();
+    t.cpu = std::string(llvm::sys::getHostCPUName());
+    std::string features;
+    for (const auto& [name, enabled] : llvm::sys::getHostCPUFeatures()) {
+      if (!features.empty()) features += ',';
+      features += (enabled ? "+" : "-") + name.str();
+    }
+    t.features = features;
+    return t;
+  }();
+  return target;
+}
+
 class LLVMCompiler final : public Compiler {
  public:
   LLVMCompiler() : Compiler("compile_llvm") {
-    const cpu::HostTarget& t = cpu::host_target();
+    const cpu::HostTarget& t = llvm_host_target();
     // Everything that changes the object code: LLVM's version, the target, the host's CPU and
     // features, the optimization level.
     identity_ = fmt::format("llvm {} {} {} features:{:016x} O2/codegen-O3 pic blob:TDVCPU01a", LLVM_VERSION_STRING,
@@ -75,7 +98,7 @@ class LLVMCompiler final : public Compiler {
       }
       if (readable) kernels.push_back(std::move(k));
     }
-    const cpu::HostTarget& t = cpu::host_target();
+    const cpu::HostTarget& t = llvm_host_target();
     auto builder = llvm::orc::JITTargetMachineBuilder(llvm::Triple(t.triple));
     llvm::SubtargetFeatures features(t.features);
     builder.setCPU(t.cpu).addFeatures(features.getFeatures());
@@ -121,11 +144,16 @@ class LLVMCompiler final : public Compiler {
 class LLVMDevice final : public cpu::CpuHCQDevice {
  public:
   explicit LLVMDevice(const std::string& name)
-      : CpuHCQDevice(name, std::make_unique<LLVMCompiler>(), SourceLanguage::LLVMIR) {}
+      : CpuHCQDevice(name, std::make_unique<LLVMCompiler>(), SourceLanguage::LLVMIR,
+                     [](const std::string& device, cpu::CallOrdering* ordering) {
+                       return std::make_unique<cpu::ObjectRuntime>(device, ordering, cpu::make_orc_linker(device));
+                     }) {}
 
   std::map<std::string, std::string> properties() const override {
     auto props = CpuHCQDevice::properties();
-    props["compiler"] = fmt::format("LLVM {} in process (ORC JIT loader)", LLVM_VERSION_STRING);
+    props.insert_or_assign("target", llvm_host_target().triple);
+    props.insert_or_assign("cpu", llvm_host_target().cpu);
+    props["compiler"] = fmt::format("LLVM {} in process", LLVM_VERSION_STRING);
     return props;
   }
 };

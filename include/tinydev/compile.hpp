@@ -104,10 +104,13 @@ class Compiler {
   std::optional<std::string> cache_key_;
 };
 
+// A launch's size in three dimensions (x, y, z).
+using Dim3 = std::array<std::uint32_t, 3>;
+
 // Launch geometry and options for a Program call.
 struct LaunchParams {
-  std::array<std::uint32_t, 3> global{1, 1, 1};
-  std::array<std::uint32_t, 3> local{1, 1, 1};
+  Dim3 global{1, 1, 1};
+  Dim3 local{1, 1, 1};
   bool wait = false;  // block until the kernel finished and return its time in seconds
 };
 
@@ -128,7 +131,7 @@ struct KernelSignature {
 };
 
 // How many kernel instances a launch of this global size runs (x * y * z).
-constexpr std::uint64_t grid_size(const std::array<std::uint32_t, 3>& global) noexcept {
+constexpr std::uint64_t grid_size(const Dim3& global) noexcept {
   return std::uint64_t{global[0]} * global[1] * global[2];
 }
 
@@ -143,11 +146,6 @@ class Program {
   virtual std::optional<double> operator()(std::span<const Allocation> buffers,
                                            std::span<const std::int32_t> values = {},
                                            const LaunchParams& params = {}) = 0;
-
-  // The kernel's entry point where it is host code callable with the kernel ABI (the CPU
-  // backends), for callers that dispatch it themselves; nullptr on devices that run elsewhere.
-  // Valid while this Program is alive.
-  virtual void* host_function() const noexcept { return nullptr; }
 
   // The kernel's argument counts when known (calls and kernargs with other counts are rejected);
   // nullopt when the compiler could not tell (then the caller is trusted).

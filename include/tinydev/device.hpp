@@ -17,6 +17,22 @@
 
 namespace tinydev {
 
+// What a device can do, declared by its backend, for callers that adapt to it (frameworks, the
+// conformance suite, whose tests each ask for what they need). Every field false is a device that
+// can only hold memory.
+struct DeviceCapabilities {
+  bool compiles_source = false;         // compile() turns source text into a blob (DISK: no compiler)
+  bool rejects_invalid_source = false;  // compile() of invalid source is a CompileError with the log (NULL takes anything)
+  bool caches_compiles = false;         // compile_cached keeps blobs in the disk cache (the compiler has a cache key)
+  bool runs_kernels = false;            // Programs compute their results (NULL's return at once, doing nothing)
+  bool checks_signatures = false;       // Programs know their argument counts and reject launches that differ
+  bool host_objects = false;            // blobs are host object files, run by the CPU object runtime
+  bool native_graphs = false;           // create_graph records a native graph; otherwise graphs replay eagerly
+  bool host_visible_memory = false;     // allocations are host memory: as_buffer is zero copy, views share it
+  bool hcq = false;                     // an HCQCompiled device: queues, signals, a timeline (tinydev/hcq.hpp)
+  friend bool operator==(const DeviceCapabilities&, const DeviceCapabilities&) = default;
+};
+
 class Compiled {
  public:
   Compiled(std::string name, std::shared_ptr<Allocator> allocator, std::unique_ptr<Compiler> compiler,
@@ -36,7 +52,11 @@ class Compiled {
   // Compiles (through the cache) and loads one kernel: compiler, then runtime.
   std::shared_ptr<Program> load_kernel(std::string_view kernel_name, std::string_view source);
 
-  // Whether the device replays recorded graphs natively (HCQ devices); others replay eagerly.
+  // What this device can do. The default says what the base class can tell (a source language, a
+  // cache key, a runtime); backends override it with the whole truth.
+  virtual DeviceCapabilities capabilities() const;
+
+  // Whether the device replays recorded graphs natively (the CPU HCQ devices); others replay eagerly.
   virtual bool supports_graph() const noexcept { return false; }
   // Records `nodes` as a graph for this device (tinydev/graph.hpp). The default replays eagerly.
   virtual std::unique_ptr<Graph> create_graph(std::vector<GraphNode> nodes);

@@ -10,8 +10,7 @@
 // inputs changed; then it submits both queues. Kernel arguments are only rewritten after the
 // previous replay finished reading them.
 //
-// Requirements on Device: an HCQCompiled whose compute queue's program_type is the device's
-// Program class, and `allocate_kernargs_block(bytes)` returning memory its queues read.
+// Requirements on Device: tinydev::HCQDevice (tinydev/hcq_concepts.hpp).
 #pragma once
 
 #include <fmt/format.h>
@@ -35,6 +34,7 @@ class HCQGraph final : public Graph {
 
  public:
   HCQGraph(Device& device, std::vector<GraphNode> nodes) : Graph(std::move(nodes)), device_(device) {
+    static_assert(HCQDevice<Device>, "HCQGraph's Device must satisfy tinydev::HCQDevice (tinydev/hcq_concepts.hpp)");
     std::size_t kernarg_bytes = 0;
     std::vector<std::size_t> offsets;
     for (const GraphNode& node : nodes_) {

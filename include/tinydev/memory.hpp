@@ -144,6 +144,9 @@ class Allocator {
 
   // A short name for messages ("LLVM allocator").
   virtual std::string describe() const { return "allocator"; }
+  // Called by a device being destroyed that owns this allocator (HCQCompiled's destructor): frees
+  // from then on must not wait on the device. Others ignore it.
+  virtual void detach_device() noexcept {}
 
  protected:
   virtual Allocation alloc_impl(std::size_t size, const BufferOptions& options) = 0;

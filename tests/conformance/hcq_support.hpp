@@ -1,25 +1,74 @@
-// tests/conformance/hcq_support.hpp: kernels and helpers for the HCQ suite.
+// tests/conformance/hcq_support.hpp: the HCQ subset of the conformance suite. Its bodies are
+// generic lambdas (`[](auto& dev)`), instantiated for every HCQ device type this build's backends
+// declare (tinydev_add_backend's HCQ_DEVICE), so they use only what the HCQ contract guarantees
+// (tinydev/hcq_concepts.hpp).
 #pragma once
 
+#include <tuple>
+
 #include "conformance.hpp"
-#include "cpu_hcq.hpp"
 #include "demo_kernels.hpp"
+#include "tinydev/hcq.hpp"
 
 namespace tinydev::testing {
 
-using cpu::CpuHCQDevice;
-
-// Runs `body` on every HCQ device of this build (the CPU devices here).
-template <class Body>
-void for_each_hcq_device(Body&& body) {
-  for_each_backend([&](Compiled& dev) {
-    auto* hcq = dynamic_cast<CpuHCQDevice*>(&dev);
-    if (!hcq) {
-      WARN("skipping " << dev.name() << ": not an HCQ device");
-      return;
+namespace detail {
+template <class Body, class... Devices>
+bool call_as_hcq_device(Compiled& dev, Body& body, std::tuple<Devices...>*) {
+  return ([&] {
+    if (auto* hcq = dynamic_cast<Devices*>(&dev)) {
+      body(*hcq);
+      return true;
     }
-    body(*hcq);
+    return false;
+  }() || ...);
+}
+}  // namespace detail
+
+// Runs `body(device)` on every HCQ device of this build that meets `needs` (kernels by default),
+// as its concrete type.
+template <class Body>
+void for_each_hcq_device(Body&& body, Needs needs = Needs{.kernels = true}) {
+  needs.hcq = true;
+  for_each_backend(needs, [&](Compiled& dev) {
+    if (!detail::call_as_hcq_device(dev, body, static_cast<HCQDeviceTypes*>(nullptr)))
+      FAIL(dev.name() << " says it is an HCQ device, but its backend declared no HCQ_DEVICE type to "
+                         "tinydev_add_backend, so the HCQ suite cannot use it");
   });
+}
+
+// Another device of `dev`'s backend and type ("LLVM:2" for "LLVM"), for tests of two devices; skips
+// and returns nullptr when there is none.
+template <class Dev>
+Dev* second_device(Dev& dev) {
+  const std::string type = dev.name().substr(0, dev.name().find(':'));
+  try {
+    auto* other = dynamic_cast<Dev*>(&Device[type + ":2"]);
+    REQUIRE(other);
+    return other;
+  } catch (const DeviceUnavailable& e) {
+    skip("needs a second " + type + " device: " + e.what());
+    return nullptr;
+  }
+}
+
+// The device's program type, as its compute queue takes it.
+template <class Dev>
+using ProgramOf = typename Dev::compute_queue_type::program_type;
+
+template <class Dev>
+std::shared_ptr<ProgramOf<Dev>> load_program(Dev& dev, const std::string& name, const KernelSource& k) {
+  auto program = std::dynamic_pointer_cast<ProgramOf<Dev>>(dev.load_kernel(name, k.for_device(dev)));
+  REQUIRE(program);
+  return program;
+}
+
+// The device's allocator as the HCQ allocator template it is.
+template <class Dev>
+HCQAllocator<Dev>& hcq_allocator(Dev& dev) {
+  auto* allocator = dynamic_cast<HCQAllocator<Dev>*>(&dev.allocator());
+  REQUIRE(allocator);
+  return *allocator;
 }
 
 // dst[0] = src[0] + 1
@@ -59,18 +108,14 @@ inline std::int32_t read_int(const Buffer& b) {
 
 // Records `body` into a compute queue ordered on the device's timeline (wait for the last value,
 // signal the next) and submits it.
-template <class Body>
-void submit_ordered(CpuHCQDevice& dev, Body&& body) {
+template <class Dev, class Body>
+void submit_ordered(Dev& dev, Body&& body) {
   std::lock_guard lock(dev.submit_mutex());
   const std::uint64_t v = dev.next_timeline_value();
   auto q = dev.compute_queue();
   q.wait(dev.timeline_signal(), v - 1);
   body(q);
   q.signal(dev.timeline_signal(), v).submit(dev);
-}
-
-inline std::shared_ptr<cpu::CpuProgram> load_cpu(CpuHCQDevice& dev, const std::string& name, const KernelSource& k) {
-  return std::dynamic_pointer_cast<cpu::CpuProgram>(dev.load_kernel(name, k.for_device(dev)));
 }
 
 }  // namespace tinydev::testing

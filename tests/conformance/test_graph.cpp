@@ -62,8 +62,8 @@ GraphBuffer in(std::size_t i) { return GraphBuffer::in(i); }
 
 }  // namespace
 
-TEST_CASE("graph: write-after-write, read-then-write and write-then-read replay as eager", "[graph]") {
-  for_each_backend([](Compiled& dev) {
+TEST_CASE("graph: write-after-write - read-then-write and write-then-read replay as eager", "[graph]") {
+  for_each_backend(Needs{.kernels = true}, [](Compiled& dev) {
     const std::size_t n = 1000;
     auto add = dev.load_kernel("add", kernels::add_f32(dev.source_language()));
     auto scale = dev.load_kernel("scale", kScale.for_device(dev));
@@ -86,8 +86,8 @@ TEST_CASE("graph: write-after-write, read-then-write and write-then-read replay 
   });
 }
 
-TEST_CASE("graph: copies, offsets, fixed buffers and two graphs", "[graph]") {
-  for_each_backend([](Compiled& dev) {
+TEST_CASE("graph: copies - offsets - fixed buffers and two graphs", "[graph]") {
+  for_each_backend(Needs{.kernels = true}, [](Compiled& dev) {
     const std::size_t n = 512;
     auto add = dev.load_kernel("add", kernels::add_f32(dev.source_language()));
     const GraphValue count = GraphValue::of(static_cast<std::int32_t>(n));
@@ -137,7 +137,7 @@ TEST_CASE("graph: copies, offsets, fixed buffers and two graphs", "[graph]") {
 }
 
 TEST_CASE("graph: bad graphs and replays are errors", "[graph]") {
-  for_each_backend([](Compiled& dev) {
+  for_each_backend(Needs{.kernels = true, .checks_signatures = true}, [](Compiled& dev) {
     auto add = dev.load_kernel("add", kernels::add_f32(dev.source_language()));
     CHECK_THROWS_WITH(dev.create_graph({GraphKernel{add, {in(0), in(1)}, {GraphValue::of(1)}}}),
                       Catch::Contains("takes 3 buffers and 1 values, the node gives 2 and 1"));
@@ -165,51 +165,52 @@ TEST_CASE("graph: devices without native graphs replay eagerly", "[graph]") {
   CHECK(std::equal(got.bytes().begin(), got.bytes().end(), data.begin()));
 }
 
-TEST_CASE("profile: the trace is JSON with one process per device, COMPUTE and DMA lanes, named events", "[profile]") {
-  TempDir dir;
-  const std::string path = dir.str() + "/trace.json";
-  Profiler::global().enable(path);
-  Profiler::global().clear();
-  auto& dev = dynamic_cast<CpuHCQDevice&>(Device["LLVM"]);
-  auto add = dev.load_kernel("add", kernels::add_f32(SourceLanguage::LLVMIR));
-  const std::size_t n = 4096;
-  auto data = random_floats(n, fresh_seed());
-  Buffer a("LLVM", n, dtypes::float32), o("LLVM", n, dtypes::float32);
-  dev.cpu_allocator().set_force_staging(true);
-  a.allocate().copyin(std::span<const float>(data));  // through the ring: timestamps from the copy queue
-  dev.cpu_allocator().set_force_staging(false);
-  o.allocate();
-  auto g = dev.create_graph({GraphKernel{add, {in(0), in(1), in(1)}, {GraphValue::of(static_cast<std::int32_t>(n))}}});
-  g->replay(std::vector<Allocation>{o.allocation(), a.allocation()}, {}, true);
-  std::vector<float> out(n);
-  o.copyout(std::span<float>(out));
-  CHECK(out[7] == data[7] + data[7]);
-  const std::size_t written = Profiler::global().write();
-  Profiler::global().enable("");
-  CHECK(written >= 3);
-  std::ifstream f(path);
-  nlohmann::json trace = nlohmann::json::parse(f);  // throws if it is not JSON
-  std::map<std::string, int> names;
-  bool llvm_process = false, compute = false, dma = false;
-  double last_ts = 0;
-  for (const auto& e : trace.at("traceEvents")) {
-    if (e.at("ph") == "M") {
-      const std::string arg = e.at("args").at("name");
-      llvm_process |= e.at("name") == "process_name" && arg == "LLVM";
-      compute |= arg == "COMPUTE";
-      dma |= arg == "DMA";
-      continue;
+TEST_CASE("profile: the trace is JSON with one process per device - COMPUTE and DMA lanes - named events", "[profile]") {
+  for_each_hcq_device([](auto& dev) {
+    TempDir dir;
+    const std::string path = dir.str() + "/trace.json";
+    Profiler::global().enable(path);
+    Profiler::global().clear();
+    auto add = dev.load_kernel("add", kernels::add_f32(dev.source_language()));
+    const std::size_t n = 4096;
+    auto data = random_floats(n, fresh_seed());
+    Buffer a(dev.name(), n, dtypes::float32), o(dev.name(), n, dtypes::float32);
+    hcq_allocator(dev).set_force_staging(true);
+    a.allocate().copyin(std::span<const float>(data));  // through the ring: timestamps from the copy queue
+    hcq_allocator(dev).set_force_staging(false);
+    o.allocate();
+    auto g = dev.create_graph({GraphKernel{add, {in(0), in(1), in(1)}, {GraphValue::of(static_cast<std::int32_t>(n))}}});
+    g->replay(std::vector<Allocation>{o.allocation(), a.allocation()}, {}, true);
+    std::vector<float> out(n);
+    o.copyout(std::span<float>(out));
+    CHECK(out[7] == data[7] + data[7]);
+    const std::size_t written = Profiler::global().write();
+    Profiler::global().enable("");
+    CHECK(written >= 3);
+    std::ifstream f(path);
+    nlohmann::json trace = nlohmann::json::parse(f);  // throws if it is not JSON
+    std::map<std::string, int> names;
+    bool device_process = false, compute = false, dma = false;
+    double last_ts = 0;
+    for (const auto& e : trace.at("traceEvents")) {
+      if (e.at("ph") == "M") {
+        const std::string arg = e.at("args").at("name");
+        device_process |= e.at("name") == "process_name" && arg == dev.name();
+        compute |= arg == "COMPUTE";
+        dma |= arg == "DMA";
+        continue;
+      }
+      CHECK(e.at("ph") == "X");
+      CHECK(e.at("dur").get<double>() >= 0);
+      last_ts = std::max(last_ts, e.at("ts").get<double>());
+      names[e.at("name").get<std::string>()] += 1;
     }
-    CHECK(e.at("ph") == "X");
-    CHECK(e.at("dur").get<double>() >= 0);
-    last_ts = std::max(last_ts, e.at("ts").get<double>());
-    names[e.at("name").get<std::string>()] += 1;
-  }
-  CHECK(llvm_process);
-  CHECK(compute);
-  CHECK(dma);
-  CHECK(last_ts > 0);
-  CHECK(names["CPU -> LLVM"] >= 1);
-  CHECK(names["LLVM -> CPU"] >= 1);
-  CHECK(names["add"] >= 1);
+    CHECK(device_process);
+    CHECK(compute);
+    CHECK(dma);
+    CHECK(last_ts > 0);
+    CHECK(names["CPU -> " + dev.name()] >= 1);
+    CHECK(names[dev.name() + " -> CPU"] >= 1);
+    CHECK(names["add"] >= 1);
+  });
 }

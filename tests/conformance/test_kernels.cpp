@@ -130,7 +130,7 @@ std::uint16_t bf16_reference(double d) {
 }  // namespace
 
 TEST_CASE("kernels: add on random data matches the CPU reference", "[kernels]") {
-  for_each_backend([](Compiled& dev) {
+  for_each_backend(Needs{.kernels = true}, [](Compiled& dev) {
     for (std::size_t n : {std::size_t{1}, std::size_t{1000}, std::size_t{1} << 20}) {
       const std::uint64_t seed = fresh_seed();
       INFO("n " << n << " seed " << seed);
@@ -143,9 +143,9 @@ TEST_CASE("kernels: add on random data matches the CPU reference", "[kernels]") 
   });
 }
 
-TEST_CASE("kernels: 14 arguments, most on the stack, arrive in order", "[kernels]") {
+TEST_CASE("kernels: 14 arguments (most on the stack) arrive in order", "[kernels]") {
   const KernelSource k = many_args_kernel();
-  for_each_backend([&](Compiled& dev) {
+  for_each_backend(Needs{.kernels = true}, [&](Compiled& dev) {
     const std::uint64_t seed = fresh_seed();
     INFO("seed " << seed);
     std::mt19937_64 rng(seed);
@@ -177,8 +177,8 @@ TEST_CASE("kernels: 14 arguments, most on the stack, arrive in order", "[kernels
   });
 }
 
-TEST_CASE("kernels: libm calls resolve (sqrtf, exp2f)", "[kernels]") {
-  for_each_backend([](Compiled& dev) {
+TEST_CASE("kernels: libm calls resolve (sqrtf and exp2f)", "[kernels]") {
+  for_each_backend(Needs{.kernels = true}, [](Compiled& dev) {
     const std::uint64_t seed = fresh_seed();
     INFO("seed " << seed);
     const std::size_t n = 4099;
@@ -202,7 +202,7 @@ TEST_CASE("kernels: libm calls resolve (sqrtf, exp2f)", "[kernels]") {
 }
 
 TEST_CASE("kernels: half and bfloat16 conversions round to nearest even", "[kernels]") {
-  for_each_backend([](Compiled& dev) {
+  for_each_backend(Needs{.kernels = true}, [](Compiled& dev) {
     const std::uint64_t seed = fresh_seed();
     INFO("seed " << seed);
     std::mt19937_64 rng(seed);
@@ -246,7 +246,7 @@ TEST_CASE("kernels: half and bfloat16 conversions round to nearest even", "[kern
 }
 
 TEST_CASE("kernels: a kernel on views reads and writes the base at the offsets", "[kernels]") {
-  for_each_backend([](Compiled& dev) {
+  for_each_backend(Needs{.kernels = true}, [](Compiled& dev) {
     const std::uint64_t seed = fresh_seed();
     INFO("seed " << seed);
     const std::size_t n = 1024;
@@ -275,7 +275,7 @@ TEST_CASE("kernels: two programs with the same kernel name and different code co
       "define void @k(ptr %o, ptr %a) {\n  %v = load i32, ptr %a\n  %r = mul i32 %v, 2\n"
       "  store i32 %r, ptr %o\n  ret void\n}\n",
       "void k(int* o, const int* a) { *o = *a * 2; }\n"};
-  for_each_backend([&](Compiled& dev) {
+  for_each_backend(Needs{.kernels = true}, [&](Compiled& dev) {
     const std::int32_t x = static_cast<std::int32_t>(fresh_seed() % 100000);
     auto p1 = dev.load_kernel("k", plus_one.for_device(dev));
     auto p2 = dev.load_kernel("k", times_two.for_device(dev));
@@ -299,7 +299,7 @@ TEST_CASE("kernels: two programs with the same kernel name and different code co
   });
 }
 
-TEST_CASE("kernels: IR in the style code generators emit (vectors, fast-math, attribute groups)", "[kernels]") {
+TEST_CASE("kernels: IR in the style code generators emit (vectors and fast-math and attribute groups)", "[kernels]") {
   // Shaped like tinygrad's LLVM renderer output: opaque pointers, `noalias align 32` parameters,
   // <4 x float> loads, fast-math flags, an attribute group, a row-sum reduction loop.
   const std::string ir = R"(define void @r_64_16_4(ptr noalias align 32 %data0, ptr noalias align 32 %data1) #0
@@ -336,26 +336,27 @@ exit:
 declare float @llvm.vector.reduce.fadd.v4f32(float, <4 x float>)
 attributes #0 = { nounwind "no-builtins" "no-trapping-math"="true" }
 )";
-  Compiled& dev = Device["LLVM"];
-  const std::uint64_t seed = fresh_seed();
-  INFO("seed " << seed);
-  auto in = random_floats(64 * 64, seed, -1.f, 1.f);
-  Buffer bi("LLVM", in.size(), dtypes::float32), bo("LLVM", 64, dtypes::float32);
-  bi.allocate().copyin(std::span<const float>(in));
-  bo.allocate();
-  auto prg = dev.load_kernel("r_64_16_4", ir);
-  const Allocation bufs[] = {bo.allocation(), bi.allocation()};
-  (*prg)(bufs);
-  std::vector<float> out(64);
-  bo.copyout(std::span<float>(out));
-  for (int r = 0; r < 64; ++r) {
-    double want = 0;
-    for (int c = 0; c < 64; ++c) want += in[r * 64 + c];
-    REQUIRE(std::fabs(out[r] - want) < 1e-4);
-  }
+  on_backend_taking(SourceLanguage::LLVMIR, [&](Compiled& dev) {
+    const std::uint64_t seed = fresh_seed();
+    INFO("seed " << seed);
+    auto in = random_floats(64 * 64, seed, -1.f, 1.f);
+    Buffer bi(dev.name(), in.size(), dtypes::float32), bo(dev.name(), 64, dtypes::float32);
+    bi.allocate().copyin(std::span<const float>(in));
+    bo.allocate();
+    auto prg = dev.load_kernel("r_64_16_4", ir);
+    const Allocation bufs[] = {bo.allocation(), bi.allocation()};
+    (*prg)(bufs);
+    std::vector<float> out(64);
+    bo.copyout(std::span<float>(out));
+    for (int r = 0; r < 64; ++r) {
+      double want = 0;
+      for (int c = 0; c < 64; ++c) want += in[r * 64 + c];
+      REQUIRE(std::fabs(out[r] - want) < 1e-4);
+    }
+  });
 }
 
-TEST_CASE("kernels: C in the style code generators emit (vector types, builtins, bfloat16)", "[kernels]") {
+TEST_CASE("kernels: C in the style code generators emit (vector types and builtins and bfloat16)", "[kernels]") {
   // Shaped like tinygrad's C renderer output: ext_vector_type float4, restrict, __builtin_* math,
   // <stdint.h> from the compiler's freestanding headers, a __bf16 output.
   const std::string c = R"(#include <stdint.h>
@@ -369,32 +370,33 @@ void E_4_16(float* restrict data0, __bf16* restrict data1, const float* restrict
   }
 }
 )";
-  Compiled& dev = Device["CLANG"];
-  const std::uint64_t seed = fresh_seed();
-  INFO("seed " << seed);
-  auto in = random_floats(64, seed, -3.f, 3.f);
-  Buffer bi("CLANG", 64, dtypes::float32), bo("CLANG", 16, dtypes::float32), bb("CLANG", 16, dtypes::bfloat16);
-  bi.allocate().copyin(std::span<const float>(in));
-  bo.allocate();
-  bb.allocate();
-  auto prg = dev.load_kernel("E_4_16", c);
-  REQUIRE(prg->signature() == KernelSignature{3, 0});
-  const Allocation bufs[] = {bo.allocation(), bb.allocation(), bi.allocation()};
-  (*prg)(bufs);
-  std::vector<float> out(16);
-  std::vector<std::uint16_t> half(16);
-  bo.copyout(std::span<float>(out));
-  bb.copyout(std::span<std::uint16_t>(half));
-  for (int r = 0; r < 16; ++r) {
-    double sum = 0;
-    for (int k = 0; k < 4; ++k) sum += double(in[r * 4 + k]) * in[r * 4 + k] + 1.0;
-    REQUIRE(std::fabs(out[r] - std::sqrt(sum)) < 1e-4 * std::sqrt(sum));
-    REQUIRE(half[r] == bf16_reference(out[r]));
-  }
+  on_backend_taking(SourceLanguage::C, [&](Compiled& dev) {
+    const std::uint64_t seed = fresh_seed();
+    INFO("seed " << seed);
+    auto in = random_floats(64, seed, -3.f, 3.f);
+    Buffer bi(dev.name(), 64, dtypes::float32), bo(dev.name(), 16, dtypes::float32), bb(dev.name(), 16, dtypes::bfloat16);
+    bi.allocate().copyin(std::span<const float>(in));
+    bo.allocate();
+    bb.allocate();
+    auto prg = dev.load_kernel("E_4_16", c);
+    REQUIRE(prg->signature() == KernelSignature{3, 0});
+    const Allocation bufs[] = {bo.allocation(), bb.allocation(), bi.allocation()};
+    (*prg)(bufs);
+    std::vector<float> out(16);
+    std::vector<std::uint16_t> half(16);
+    bo.copyout(std::span<float>(out));
+    bb.copyout(std::span<std::uint16_t>(half));
+    for (int r = 0; r < 16; ++r) {
+      double sum = 0;
+      for (int k = 0; k < 4; ++k) sum += double(in[r * 4 + k]) * in[r * 4 + k] + 1.0;
+      REQUIRE(std::fabs(out[r] - std::sqrt(sum)) < 1e-4 * std::sqrt(sum));
+      REQUIRE(half[r] == bf16_reference(out[r]));
+    }
+  });
 }
 
-TEST_CASE("kernels: 8 threads compile, load and run concurrently on one device", "[kernels]") {
-  for_each_backend([](Compiled& dev) {
+TEST_CASE("kernels: 8 threads compile and load and run concurrently on one device", "[kernels]") {
+  for_each_backend(Needs{.kernels = true}, [](Compiled& dev) {
     const std::uint64_t seed = fresh_seed();
     std::atomic<int> wrong{0};
     std::vector<std::thread> threads;

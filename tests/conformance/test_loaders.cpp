@@ -2,7 +2,7 @@
 // run the same objects to the same results, and a declined object must still load through ORC.
 #include "conformance.hpp"
 #include "cpu_blob.hpp"
-#include "cpu_runtime.hpp"
+#include "object_runtime.hpp"
 #include "demo_kernels.hpp"
 #include "elf_loader.hpp"
 #include "fuzz/mutate.hpp"
@@ -45,20 +45,18 @@ KernelSource add_with_constructor() {
 }  // namespace
 
 TEST_CASE("loaders: ORC and the fast ELF loader give the same results", "[loaders]") {
-  for_each_backend([](Compiled& dev) {
+  for_each_backend(Needs{.kernels = true, .host_objects = true}, [](Compiled& dev) {
     cpu::ObjectRuntime* rt = cpu_runtime(dev);
-    if (!rt) {
-      WARN("skipping " << dev.name() << ": not a CPU object runtime");
-      return;
-    }
+    REQUIRE(rt);
+    if (!rt->linker()) return skip(dev.name() + " has no general linker (a build without LLVM)");
     const std::uint64_t seed = fresh_seed();
     INFO("seed " << seed);
     const std::size_t n = 10007;
     auto a = random_floats(n, seed), b = random_floats(n, seed + 1);
     Blob blob = dev.compiler().compile_cached(kernels::add_f32(dev.source_language()));
     auto fast = rt->load("add", blob);
-    auto orc = rt->load_with_orc("add", blob);
-    CHECK(fast->host_function() != orc->host_function());
+    auto orc = rt->load_with_linker("add", blob);
+    CHECK(static_cast<cpu::CpuProgram&>(*fast).host_function() != static_cast<cpu::CpuProgram&>(*orc).host_function());
     auto out_fast = run(*fast, dev, a, b), out_orc = run(*orc, dev, a, b);
     for (std::size_t i = 0; i < n; ++i) {
       REQUIRE(out_fast[i] == a[i] + b[i]);
@@ -69,14 +67,19 @@ TEST_CASE("loaders: ORC and the fast ELF loader give the same results", "[loader
 
 TEST_CASE("loaders: an object the fast loader declines still loads through ORC", "[loaders]") {
   const KernelSource with_ctor = add_with_constructor();
-  for_each_backend([&](Compiled& dev) {
-    if (!cpu_runtime(dev)) return;
+  for_each_backend(Needs{.kernels = true, .host_objects = true}, [&](Compiled& dev) {
     Blob blob = dev.compiler().compile(with_ctor.for_device(dev));
     cpu::ElfLoadResult probe = cpu::load_elf_x86_64(cpu::unwrap_object(blob).object, "add", [](std::string_view) { return nullptr; });
 #if defined(__x86_64__)
     CHECK_FALSE(probe.object);
     CHECK_THAT(probe.declined, Catch::Contains("initializers"));
 #endif
+    if (!cpu_runtime(dev)->linker()) {
+      // A build without LLVM: a clear error that says what to do, not a crash or a silent failure.
+      CHECK_THROWS_WITH(dev.runtime().load("add", blob),
+                        Catch::Contains("declined the object") && Catch::Contains("TINYDEV_WITH_LLVM=ON"));
+      return;
+    }
     auto prg = dev.runtime().load("add", blob);
     const std::uint64_t seed = fresh_seed();
     auto a = random_floats(257, seed), b = random_floats(257, seed + 7);
@@ -88,8 +91,8 @@ TEST_CASE("loaders: an object the fast loader declines still loads through ORC",
 TEST_CASE("loaders: the fast loader rejects garbage without crashing", "[loaders]") {
   const std::uint64_t seed = fresh_seed();
   INFO("seed " << seed);
-  Compiled& dev = Device["LLVM"];
-  const Blob wrapped = dev.compiler().compile_cached(kernels::add_f32(SourceLanguage::LLVMIR));
+  for_each_backend(Needs{.kernels = true, .host_objects = true}, [&](Compiled& dev) {
+  const Blob wrapped = dev.compiler().compile_cached(kernels::add_f32(dev.source_language()));
   const auto object = cpu::unwrap_object(wrapped).object;
   Blob blob(object.begin(), object.end());
   std::mt19937_64 rng(seed);
@@ -103,6 +106,7 @@ TEST_CASE("loaders: the fast loader rejects garbage without crashing", "[loaders
     CHECK((r.object != nullptr) + !r.declined.empty() + !r.error.empty() == 1);
   }
   CHECK_FALSE(cpu::elf_functions(Blob(64, std::byte{0})).has_value());
+  });
 }
 
 TEST_CASE("loaders: ten thousand mutated objects per device load or fail cleanly within a second each", "[loaders][hostile]") {
@@ -116,8 +120,7 @@ TEST_CASE("loaders: ten thousand mutated objects per device load or fail cleanly
       "float sinf(float);\nvoid add(float* restrict o, const float* restrict a, const float* restrict b, int n) { o[0] = sinf(a[0]); }\n"};
   const std::uint64_t seed = fresh_seed();
   INFO("seed " << seed);
-  for_each_backend([&](Compiled& dev) {
-    if (!cpu_runtime(dev)) return;
+  for_each_backend(Needs{.kernels = true, .host_objects = true}, [&](Compiled& dev) {
     std::vector<Blob> objects;
     for (const std::string& src : {kernels::add_f32(dev.source_language()), with_ctor.for_device(dev), calls_libm.for_device(dev)}) {
       const Blob wrapped = dev.compiler().compile(src);

@@ -91,44 +91,46 @@ std::size_t entries_in(const std::string& dir) {
 
 TEST_CASE("trust: a cache entry planted by another user never runs", "[trust]") {
   if (::geteuid() != 0) {
-    WARN("skipped: planting an entry as another user needs root to chown it (running as uid " << ::geteuid() << ")");
+    skip("planting an entry as another user needs root to chown it (running as uid " + std::to_string(::geteuid()) + ")");
     return;
   }
-  TempDir cache, scratch;
-  ScopedOverride folder("TINYDEV_CACHE_DIR", cache.str());
-  Compiled& dev = Device["LLVM"];
-  const std::string marker = scratch.str() + "/planted-code-ran";
-  const std::string benign = kernels::add_f32(SourceLanguage::LLVMIR);
-  // The attacker knows the key (the source, the compiler's identity) and computes the checksum.
-  const Blob evil = dev.compiler().compile(evil_add_ir("touch " + marker));
-  DiskCache::global().put(*dev.compiler().cache_key(), dev.compiler().identity(), benign, evil);
-  const std::string entry = DiskCache::global().entry_path(*dev.compiler().cache_key(), dev.compiler().identity(), benign);
-  REQUIRE(fs::exists(entry));
-  REQUIRE(::chown(entry.c_str(), 4242, 4242) == 0);  // the attacker's file
-  DiskCache::global().drop_memory_layer();
+  on_backend_taking(SourceLanguage::LLVMIR, [](Compiled& dev) {
+    if (!dev.capabilities().caches_compiles) return skip(dev.name() + " caches no compiles");
+    TempDir cache, scratch;
+    ScopedOverride folder("TINYDEV_CACHE_DIR", cache.str());
+    const std::string marker = scratch.str() + "/planted-code-ran";
+    const std::string benign = kernels::add_f32(SourceLanguage::LLVMIR);
+    // The attacker knows the key (the source, the compiler's identity) and computes the checksum.
+    const Blob evil = dev.compiler().compile(evil_add_ir("touch " + marker));
+    DiskCache::global().put(*dev.compiler().cache_key(), dev.compiler().identity(), benign, evil);
+    const std::string entry = DiskCache::global().entry_path(*dev.compiler().cache_key(), dev.compiler().identity(), benign);
+    REQUIRE(fs::exists(entry));
+    REQUIRE(::chown(entry.c_str(), 4242, 4242) == 0);  // the attacker's file
+    DiskCache::global().drop_memory_layer();
 
-  const std::uint64_t seed = fresh_seed();
-  INFO("seed " << seed);
-  auto a = random_floats(1000, seed), b = random_floats(1000, seed + 1);
-  {
-    auto prg = dev.load_kernel("add", benign);
-    auto out = run_add(*prg, dev.name(), a, b);
-    for (std::size_t i = 0; i < a.size(); ++i) REQUIRE(out[i] == a[i] + b[i]);
-  }
-  CHECK_FALSE(fs::exists(marker));
-  CHECK(DiskCache::global().stats().rejected_entries >= 1);
+    const std::uint64_t seed = fresh_seed();
+    INFO("seed " << seed);
+    auto a = random_floats(1000, seed), b = random_floats(1000, seed + 1);
+    {
+      auto prg = dev.load_kernel("add", benign);
+      auto out = run_add(*prg, dev.name(), a, b);
+      for (std::size_t i = 0; i < a.size(); ++i) REQUIRE(out[i] == a[i] + b[i]);
+    }
+    CHECK_FALSE(fs::exists(marker));
+    CHECK(DiskCache::global().stats().rejected_entries >= 1);
 
-  // The witness: the same file, owned by this user, is trusted and its code runs. This is what the
-  // ownership check stops (and what this test would see without it).
-  const std::string again = DiskCache::global().entry_path(*dev.compiler().cache_key(), dev.compiler().identity(), benign);
-  DiskCache::global().put(*dev.compiler().cache_key(), dev.compiler().identity(), benign, evil);
-  REQUIRE(::chown(again.c_str(), ::geteuid(), ::getegid()) == 0);
-  DiskCache::global().drop_memory_layer();
-  {
-    auto prg = dev.load_kernel("add", benign);
-    run_add(*prg, dev.name(), a, b);
-  }
-  CHECK(fs::exists(marker));
+    // The witness: the same file, owned by this user, is trusted and its code runs. This is what the
+    // ownership check stops (and what this test would see without it).
+    const std::string again = DiskCache::global().entry_path(*dev.compiler().cache_key(), dev.compiler().identity(), benign);
+    DiskCache::global().put(*dev.compiler().cache_key(), dev.compiler().identity(), benign, evil);
+    REQUIRE(::chown(again.c_str(), ::geteuid(), ::getegid()) == 0);
+    DiskCache::global().drop_memory_layer();
+    {
+      auto prg = dev.load_kernel("add", benign);
+      run_add(*prg, dev.name(), a, b);
+    }
+    CHECK(fs::exists(marker));
+  });
 }
 
 TEST_CASE("trust: a compiler subprocess past its timeout is killed with its children and reaped", "[trust]") {
@@ -175,6 +177,7 @@ TEST_CASE("trust: a compiler subprocess past its timeout is killed with its chil
 }
 
 TEST_CASE("trust: a clang that hangs is a CompileError after TINYDEV_COMPILE_TIMEOUT and nothing is cached", "[trust]") {
+  if (!in_this_run("CLANG")) return;
   TempDir cache;
   ScopedOverride folder("TINYDEV_CACHE_DIR", cache.str());
   FakeClang hangs("exec /bin/sleep 60");
@@ -189,6 +192,7 @@ TEST_CASE("trust: a clang that hangs is a CompileError after TINYDEV_COMPILE_TIM
 }
 
 TEST_CASE("trust: a clang that prints garbage is a CompileError quoting it and nothing is cached", "[trust]") {
+  if (!in_this_run("CLANG")) return;
   TempDir cache;
   ScopedOverride folder("TINYDEV_CACHE_DIR", cache.str());
   FakeClang garbage("cat >/dev/null; printf 'this is not an object file'; exit 0");
@@ -204,8 +208,7 @@ TEST_CASE("trust: a clang that prints garbage is a CompileError quoting it and n
 }
 
 TEST_CASE("trust: a malformed object is an error that says what is wrong on every CPU device", "[trust]") {
-  for_each_backend([](Compiled& dev) {
-    if (dev.source_language() != SourceLanguage::LLVMIR && dev.source_language() != SourceLanguage::C) return;
+  for_each_backend(Needs{.kernels = true, .host_objects = true}, [](Compiled& dev) {
     const Blob wrapped = dev.compiler().compile(kernels::add_f32(dev.source_language()));
     const auto object = cpu::unwrap_object(wrapped).object;
     Blob truncated(object.begin(), object.begin() + static_cast<std::ptrdiff_t>(object.size() * 3 / 4));

@@ -152,7 +152,7 @@ TEST_CASE("lru: concurrent alloc and free from 8 threads keep the books straight
   CHECK(a.live_bytes == 0);
 }
 
-TEST_CASE("malloc allocator: aligned, host-visible, with views", "[allocator]") {
+TEST_CASE("malloc allocator: aligned - host-visible - with views", "[allocator]") {
   MallocAllocator a;
   const std::uint64_t seed = fresh_seed();
   INFO("seed " << seed);

@@ -3,7 +3,7 @@
 using namespace tinydev;
 using namespace tinydev::testing;
 
-TEST_CASE("buffer: allocation is lazy, and allocating twice is an error", "[buffer]") {
+TEST_CASE("buffer: allocation is lazy and allocating twice is an error", "[buffer]") {
   FakeDevice& dev = fake_device();
   const int before = dev.fake->backend_allocs;
   Buffer b("fake", 1000, dtypes::float32);
@@ -47,7 +47,7 @@ TEST_CASE("buffer: size mismatches and unallocated buffers are errors", "[buffer
   CHECK_THROWS_WITH(b.copyout(std::span<std::int32_t>(wrong)), Catch::Contains("size mismatch"));
 }
 
-TEST_CASE("buffer: views see their base at an offset, a view of a view is rooted at the base", "[buffer]") {
+TEST_CASE("buffer: views see their base at an offset - a view of a view is rooted at the base", "[buffer]") {
   fake_device();
   const std::uint64_t seed = fresh_seed();
   INFO("seed " << seed);
@@ -109,7 +109,7 @@ TEST_CASE("buffer: a view keeps its base alive", "[buffer]") {
   CHECK(dev.fake->live_bytes == live_before);  // nolru: freed for real with the last handle
 }
 
-TEST_CASE("buffer: mem_used counts allocated bases, not views", "[buffer]") {
+TEST_CASE("buffer: mem_used counts allocated bases - not views", "[buffer]") {
   fake_device();
   const std::int64_t before = GlobalCounters::mem_used;
   {
@@ -124,7 +124,7 @@ TEST_CASE("buffer: mem_used counts allocated bases, not views", "[buffer]") {
   CHECK(GlobalCounters::mem_used == before);
 }
 
-TEST_CASE("buffer: initial value, preallocate and adoption", "[buffer]") {
+TEST_CASE("buffer: initial value - preallocate and adoption", "[buffer]") {
   FakeDevice& dev = fake_device();
   const std::uint64_t seed = fresh_seed();
   auto bytes = random_bytes(300, seed);

@@ -78,7 +78,7 @@ TEST_CASE("compile_cached: TINYDEV_ASSERT_COMPILE=1 makes a real compile an erro
   CHECK(c.compiles == 1);
 }
 
-TEST_CASE("compile: a CompileError carries the compiler's log, and nothing is cached", "[cache]") {
+TEST_CASE("compile: a CompileError carries the compiler's log and nothing is cached", "[cache]") {
   TempDir dir;
   ScopedOverride folder("TINYDEV_CACHE_DIR", dir.str());
   FakeCompiler c;
@@ -92,7 +92,7 @@ TEST_CASE("compile: a CompileError carries the compiler's log, and nothing is ca
   CHECK(entries_in(dir) == 0);
 }
 
-TEST_CASE("disk cache: corrupt, truncated and foreign entries are misses that get replaced", "[cache]") {
+TEST_CASE("disk cache: corrupt - truncated and foreign entries are misses that get replaced", "[cache]") {
   TempDir dir;
   ScopedOverride folder("TINYDEV_CACHE_DIR", dir.str());
   const std::uint64_t seed = fresh_seed();

@@ -26,7 +26,7 @@ TEST_CASE("config: overrides take effect and restore in reverse order", "[config
   CHECK(settings().device == before.device);
 }
 
-TEST_CASE("config: invalid values are errors naming the variable, and change nothing", "[config]") {
+TEST_CASE("config: invalid values are errors naming the variable and change nothing", "[config]") {
   const int debug_before = settings().debug;
   CHECK_THROWS_WITH(ScopedOverride("TINYDEV_DEBUG", "9"), Catch::Contains("TINYDEV_DEBUG='9'"));
   CHECK_THROWS_WITH(ScopedOverride("TINYDEV_DEBUG", "two"), Catch::Contains("TINYDEV_DEBUG"));
@@ -39,7 +39,7 @@ TEST_CASE("config: invalid values are errors naming the variable, and change not
   CHECK(settings().debug == debug_before);
 }
 
-TEST_CASE("config: the environment is read once, and reload rejects bad values", "[config]") {
+TEST_CASE("config: the environment is read once and reload rejects bad values", "[config]") {
   const int before = settings().debug;
   REQUIRE(before != 2);
   ::setenv("TINYDEV_DEBUG", "2", 1);
@@ -68,7 +68,7 @@ TEST_CASE("config: an override of nullopt acts as unset", "[config]") {
   CHECK(settings().lru);
 }
 
-TEST_CASE("config: the cache folder follows XDG_CACHE_HOME, then HOME", "[config]") {
+TEST_CASE("config: the cache folder follows XDG_CACHE_HOME then HOME", "[config]") {
   ScopedOverride no_dir("TINYDEV_CACHE_DIR", std::nullopt);
   const char* xdg = std::getenv("XDG_CACHE_HOME");
   std::string saved_xdg = xdg ? xdg : "";

@@ -25,7 +25,7 @@ TEST_CASE("registry: one instance per canonical name", "[registry]") {
   CHECK(std::find(opened.begin(), opened.end(), "FAKE:1") != opened.end());
 }
 
-TEST_CASE("registry: 16 threads opening the same device get one instance, built once", "[registry]") {
+TEST_CASE("registry: 16 threads opening the same device get one instance - built once", "[registry]") {
   static std::atomic<int> builds{0};
   static std::atomic<bool> go{false};
   Device.register_backend("SLOWOPEN", [](const std::string& name) {
@@ -79,7 +79,7 @@ TEST_CASE("registry: the default device comes from TINYDEV_DEVICE", "[registry]"
   reload_environment();
 }
 
-TEST_CASE("registry: with no usable backend, the default device error says why for each", "[registry]") {
+TEST_CASE("registry: with no usable backend - the default device error says why for each", "[registry]") {
   // This test binary links tinydev_core alone: no CUDA, LLVM or CLANG in it.
   ScopedOverride dev("TINYDEV_DEVICE", std::nullopt);
   CHECK_THROWS_AS(Device.default_device(), DeviceUnavailable);

@@ -9,7 +9,7 @@ using namespace tinydev;
 using namespace tinydev::testing;
 using namespace std::chrono_literals;
 
-TEST_CASE("signal: values, freeing and stale handles", "[signal]") {
+TEST_CASE("signal: values - freeing and stale handles", "[signal]") {
   SignalPool pool("TEST");
   const std::uint64_t start = fresh_seed() % 1000;
   Signal s = pool.alloc(start);
@@ -44,7 +44,7 @@ TEST_CASE("signal: many signals grow the pool without moving slots", "[signal]")
   }
 }
 
-TEST_CASE("signal: a sleeping waiter wakes on set, and times out naming what it saw", "[signal]") {
+TEST_CASE("signal: a sleeping waiter wakes on set and times out naming what it saw", "[signal]") {
   SignalPool pool("WAKE");
   Signal s = pool.alloc(0);
   const std::uint64_t want = 1 + fresh_seed() % 100;

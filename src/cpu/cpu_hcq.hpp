@@ -1,6 +1,7 @@
-// backends/cpu/cpu_hcq.hpp (installed as <tinydev/cpu/cpu_hcq.hpp>): the CPU as an HCQ device.
+// src/cpu/cpu_hcq.hpp (installed as <tinydev/cpu/cpu_hcq.hpp>): the CPU as an HCQ device, the
+// core every CPU backend builds on (target tinydev_cpu, which links no LLVM).
 //
-// The LLVM and CLANG devices are CpuHCQDevices: each runs a compute queue and a copy queue on a
+// The CPU backends' devices are CpuHCQDevices: each runs a compute queue and a copy queue on a
 // worker thread of its own, executing submitted commands in order: `exec` calls the kernel (grids
 // spread over CpuThreadPool), `copy` is a memcpy, `signal`/`wait`/`timestamp` act on signal
 // memory. All CPU devices share one signal pool (host memory every CPU queue reaches), so one CPU
@@ -19,7 +20,9 @@
 #include <thread>
 #include <vector>
 
-#include "cpu_runtime.hpp"
+#include <functional>
+
+#include "cpu_program.hpp"
 #include "tinydev/hcq.hpp"
 
 namespace tinydev::cpu {
@@ -52,9 +55,9 @@ struct CpuSignalPrimitives {
 };
 
 class CpuComputeQueue final : public HWComputeQueue<CpuComputeQueue, CpuCommand, CpuProgram> {
-  friend class HWCommandQueue<CpuComputeQueue, CpuCommand>;
-  friend class HWComputeQueue<CpuComputeQueue, CpuCommand, CpuProgram>;
-
+  // The primitives (tinydev/hcq_concepts.hpp): public for the concept checks; only the queue
+  // templates call them.
+ public:
   void _signal(const Signal& s, std::uint64_t v) { mutable_commands().push_back(CpuSignalPrimitives::signal(s, v)); }
   void _wait(const Signal& s, std::uint64_t v) { mutable_commands().push_back(CpuSignalPrimitives::wait(s, v)); }
   void _timestamp(const Signal& s) { mutable_commands().push_back(CpuSignalPrimitives::timestamp(s)); }
@@ -71,9 +74,9 @@ class CpuComputeQueue final : public HWComputeQueue<CpuComputeQueue, CpuCommand,
 };
 
 class CpuCopyQueue final : public HWCopyQueue<CpuCopyQueue, CpuCommand> {
-  friend class HWCommandQueue<CpuCopyQueue, CpuCommand>;
-  friend class HWCopyQueue<CpuCopyQueue, CpuCommand>;
-
+  // The primitives (tinydev/hcq_concepts.hpp): public for the concept checks; only the queue
+  // templates call them.
+ public:
   void _signal(const Signal& s, std::uint64_t v) { mutable_commands().push_back(CpuSignalPrimitives::signal(s, v)); }
   void _wait(const Signal& s, std::uint64_t v) { mutable_commands().push_back(CpuSignalPrimitives::wait(s, v)); }
   void _timestamp(const Signal& s) { mutable_commands().push_back(CpuSignalPrimitives::timestamp(s)); }
@@ -124,7 +127,12 @@ class CpuAllocator final : public HCQAllocator<CpuHCQDevice> {
 
 class CpuHCQDevice : public HCQCompiled<CpuComputeQueue, CpuCopyQueue>, public CallOrdering {
  public:
-  CpuHCQDevice(const std::string& name, std::unique_ptr<Compiler> compiler, SourceLanguage language);
+  // Makes the device's runtime, which must hand out CpuPrograms (ObjectRuntime does) and tell
+  // `ordering` (the device) before each direct Program call.
+  using RuntimeFactory = std::function<std::unique_ptr<Runtime>(const std::string& device_name, CallOrdering* ordering)>;
+
+  CpuHCQDevice(const std::string& name, std::unique_ptr<Compiler> compiler, SourceLanguage language,
+               const RuntimeFactory& make_runtime);
   ~CpuHCQDevice() override;
 
   // Every CPU device's signals: host memory that every CPU queue can reach.
@@ -145,7 +153,10 @@ class CpuHCQDevice : public HCQCompiled<CpuComputeQueue, CpuCopyQueue>, public C
   std::shared_ptr<std::byte[]> allocate_kernargs_block(std::size_t bytes) const;
 
   void before_direct_call() override;
+  // Graphs are native (HCQGraph over these queues).
+  bool supports_graph() const noexcept override { return true; }
   std::unique_ptr<Graph> create_graph(std::vector<GraphNode> nodes) override;
+  DeviceCapabilities capabilities() const override;
   std::map<std::string, std::string> properties() const override;
 
  protected:
@@ -157,7 +168,6 @@ class CpuHCQDevice : public HCQCompiled<CpuComputeQueue, CpuCopyQueue>, public C
   std::vector<std::unique_ptr<std::byte[]>> kernargs_pages_;
   std::deque<std::pair<std::size_t, std::uint64_t>> kernargs_retired_;  // (page, timeline value)
   std::size_t kernargs_page_ = 0, kernargs_next_ = 0;
-  std::uint64_t profile_hook_ = 0;  // removed in the destructor: the hook points at this device
 };
 
 }  // namespace tinydev::cpu

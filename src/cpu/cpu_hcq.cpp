@@ -8,6 +8,9 @@
 #include <immintrin.h>
 #endif
 
+#include "host.hpp"
+#include "object_runtime.hpp"
+#include "thread_pool.hpp"
 #include "tinydev/counters.hpp"
 #include "tinydev/error.hpp"
 #include "tinydev/hcq_graph.hpp"
@@ -20,7 +23,7 @@ namespace {
 CpuHCQDevice& cpu_device(Compiled& device, std::string_view queue) {
   auto* cpu = dynamic_cast<CpuHCQDevice*>(&device);
   if (!cpu)
-    throw InvalidArgument(fmt::format("cannot submit a CPU {} queue to {}: it runs on CPU devices (LLVM, CLANG) only",
+    throw InvalidArgument(fmt::format("cannot submit a CPU {} queue to {}: it runs on the CPU backends' devices only",
                                       queue, device.name()));
   return *cpu;
 }
@@ -263,39 +266,24 @@ std::vector<CpuHCQDevice::TimelineMark> CpuHCQDevice::signal_users_now() const {
   return marks;
 }
 
-CpuHCQDevice::CpuHCQDevice(const std::string& name, std::unique_ptr<Compiler> compiler, SourceLanguage language)
-    : HCQCompiled(name, std::make_shared<CpuAllocator>(*this), std::move(compiler),
-                  std::make_unique<ObjectRuntime>(name, this), language, shared_signal_pool()),
+CpuHCQDevice::CpuHCQDevice(const std::string& name, std::unique_ptr<Compiler> compiler, SourceLanguage language,
+                           const RuntimeFactory& make_runtime)
+    : HCQCompiled(name, std::make_shared<CpuAllocator>(*this), std::move(compiler), make_runtime(name, this), language,
+                  shared_signal_pool()),
       compute_worker_(name, "COMPUTE"),
       copy_worker_(name, "DMA") {
   kernargs_pages_.emplace_back(new std::byte[kKernargsPage]);
-  // Last, and undone on failure: a constructor that throws runs no destructor, and only the
-  // destructor removes the hook and the registration (both point at this device).
-  profile_hook_ = Profiler::global().on_flush([this] {
-    try {
-      synchronize();
-    } catch (const std::exception& e) {
-      debug_log(1, "tinydev: {}: could not finish work for the profile: {}", this->name(), e.what());
-    }
-  });
-  try {
-    LiveDevices& live = live_devices();
-    std::lock_guard lock(live.mutex);
-    live.devices.push_back(this);
-  } catch (...) {
-    Profiler::global().remove_flush(profile_hook_);
-    throw;
-  }
+  // Last: a constructor that throws runs no destructor, and only the destructor removes the
+  // registration (it points at this device).
+  LiveDevices& live = live_devices();
+  std::lock_guard lock(live.mutex);
+  live.devices.push_back(this);
 }
 
 CpuHCQDevice::~CpuHCQDevice() {
-  Profiler::global().remove_flush(profile_hook_);
-  {
-    LiveDevices& live = live_devices();
-    std::lock_guard lock(live.mutex);
-    std::erase(live.devices, this);
-  }
-  cpu_allocator().detach_device();  // the allocator outlives our members (it is destroyed last)
+  LiveDevices& live = live_devices();
+  std::lock_guard lock(live.mutex);
+  std::erase(live.devices, this);
 }
 
 // Note [Kernargs pages]
@@ -342,9 +330,22 @@ std::unique_ptr<Graph> CpuHCQDevice::create_graph(std::vector<GraphNode> nodes) 
   return std::make_unique<HCQGraph<CpuHCQDevice>>(*this, std::move(nodes));
 }
 
+DeviceCapabilities CpuHCQDevice::capabilities() const {
+  return DeviceCapabilities{.compiles_source = true,
+                            .rejects_invalid_source = true,
+                            .caches_compiles = compiler().cache_key().has_value(),
+                            .runs_kernels = true,
+                            .checks_signatures = true,
+                            .host_objects = dynamic_cast<const ObjectRuntime*>(&runtime()) != nullptr,
+                            .native_graphs = true,
+                            .host_visible_memory = true,
+                            .hcq = true};
+}
+
 std::map<std::string, std::string> CpuHCQDevice::properties() const {
   auto props = Compiled::properties();
   props.merge(host_properties());
+  if (const auto* objects = dynamic_cast<const ObjectRuntime*>(&runtime())) props["loader"] = objects->describe();
   props["queues"] = fmt::format("HCQ: compute + copy worker threads, grids on {} threads",
                                 CpuThreadPool::global().threads());
   return props;

@@ -1,0 +1,93 @@
+# tinydev_add_backend: a backend is a folder whose CMakeLists.txt calls this once (docs/architecture.md,
+# "Adding a backend"). It checks the name and sources, makes the static library tinydev_<name>
+# (exported as tinydev::<name>), and registers the backend, so that the generated table
+# (src/builtin_backends.cpp.in) opens it as Device["<NAME>"] and the conformance suite runs on it.
+#
+#   tinydev_add_backend(NAME <TYPE>                 # the device type: uppercase letters and digits
+#                       SOURCES <files...>          # one defines open_<type>_device (lowercase)
+#                       [DEPENDS <targets...>]      # linked PUBLIC (e.g. tinydev_cpu)
+#                       [PRIVATE_DEPENDS <targets...>]
+#                       [SUFFIX ordinal|path]       # how names read after ':' (default: ordinal)
+#                       [HCQ_DEVICE <C++ type> HCQ_HEADER <header>]  # an HCQ backend's device class
+#                       [UNSUPPORTED_TESTS "<conformance test name>" "<reason>" ...])
+#
+# The factory the sources must define, in namespace tinydev:
+#   std::unique_ptr<Compiled> open_<type>_device(const std::string& canonical_name);
+# It throws DeviceUnavailable (saying what to install or set) when the backend cannot work here.
+#
+# HCQ_DEVICE names the HCQCompiled class of an HCQ backend's devices (e.g. tinydev::cpu::CpuHCQDevice)
+# and HCQ_HEADER the header declaring it: the HCQ subset of the conformance suite runs on it as that
+# type. The class must satisfy tinydev::HCQDevice (tinydev/hcq_concepts.hpp).
+#
+# UNSUPPORTED_TESTS lists conformance tests this backend cannot pass although its declared
+# capabilities say it should, each with the reason; the suite reports them as skipped.
+
+function(tinydev_add_backend)
+  cmake_parse_arguments(PARSE_ARGV 0 arg "" "NAME;SUFFIX;HCQ_DEVICE;HCQ_HEADER" "SOURCES;DEPENDS;PRIVATE_DEPENDS;UNSUPPORTED_TESTS")
+  if(arg_UNPARSED_ARGUMENTS)
+    message(FATAL_ERROR "tinydev_add_backend: unknown arguments '${arg_UNPARSED_ARGUMENTS}' (in ${CMAKE_CURRENT_LIST_FILE})")
+  endif()
+  if(NOT arg_NAME MATCHES "^[A-Z][A-Z0-9]*$")
+    message(FATAL_ERROR "tinydev_add_backend: NAME '${arg_NAME}' must be uppercase letters and digits, starting "
+                        "with a letter, as device names are canonicalized (e.g. NAME MYDEV) (in ${CMAKE_CURRENT_LIST_FILE})")
+  endif()
+  get_property(names GLOBAL PROPERTY TINYDEV_BACKEND_NAMES)
+  if(arg_NAME IN_LIST names OR arg_NAME STREQUAL "DISK")
+    message(FATAL_ERROR "tinydev_add_backend: a backend named ${arg_NAME} exists already (in ${CMAKE_CURRENT_LIST_FILE})")
+  endif()
+  if(NOT arg_SUFFIX)
+    set(arg_SUFFIX ordinal)
+  elseif(NOT arg_SUFFIX MATCHES "^(ordinal|path)$")
+    message(FATAL_ERROR "tinydev_add_backend(${arg_NAME}): SUFFIX is '${arg_SUFFIX}', expected ordinal or path")
+  endif()
+  if(NOT arg_SOURCES)
+    message(FATAL_ERROR "tinydev_add_backend(${arg_NAME}): no SOURCES given")
+  endif()
+  list(LENGTH arg_UNSUPPORTED_TESTS n)
+  math(EXPR odd "${n} % 2")
+  if(odd)
+    message(FATAL_ERROR "tinydev_add_backend(${arg_NAME}): UNSUPPORTED_TESTS takes pairs of test name and reason, "
+                        "got ${n} strings")
+  endif()
+
+  if(arg_HCQ_DEVICE AND NOT arg_HCQ_HEADER OR arg_HCQ_HEADER AND NOT arg_HCQ_DEVICE)
+    message(FATAL_ERROR "tinydev_add_backend(${arg_NAME}): HCQ_DEVICE and HCQ_HEADER go together")
+  endif()
+
+  string(TOLOWER ${arg_NAME} lname)
+  # The factory must be there: a missing one would otherwise be a link error in every consumer.
+  set(found FALSE)
+  foreach(src IN LISTS arg_SOURCES)
+    get_filename_component(path ${src} ABSOLUTE)
+    if(NOT EXISTS ${path})
+      message(FATAL_ERROR "tinydev_add_backend(${arg_NAME}): source ${src} does not exist")
+    endif()
+    file(STRINGS ${path} hits REGEX "open_${lname}_device[ \t]*\\(")
+    if(hits)
+      set(found TRUE)
+    endif()
+  endforeach()
+  if(NOT found)
+    message(FATAL_ERROR "tinydev_add_backend(${arg_NAME}): no source defines the factory; add to one of them\n"
+                        "  namespace tinydev {\n"
+                        "  std::unique_ptr<Compiled> open_${lname}_device(const std::string& canonical_name);\n"
+                        "  }")
+  endif()
+
+  set(target tinydev_${lname})
+  add_library(${target} STATIC ${arg_SOURCES})
+  target_compile_options(${target} PRIVATE -Wall -Wextra)
+  target_link_libraries(${target} PUBLIC tinydev_core ${arg_DEPENDS} PRIVATE ${arg_PRIVATE_DEPENDS})
+  set_target_properties(${target} PROPERTIES EXPORT_NAME ${lname})
+  set_property(GLOBAL APPEND PROPERTY TINYDEV_BACKEND_NAMES ${arg_NAME})
+  set_property(GLOBAL PROPERTY TINYDEV_BACKEND_SUFFIX_${arg_NAME} ${arg_SUFFIX})
+  set_property(GLOBAL PROPERTY TINYDEV_BACKEND_UNSUPPORTED_${arg_NAME} "${arg_UNSUPPORTED_TESTS}")
+  set_property(GLOBAL PROPERTY TINYDEV_BACKEND_HCQ_DEVICE_${arg_NAME} "${arg_HCQ_DEVICE}")
+  set_property(GLOBAL PROPERTY TINYDEV_BACKEND_HCQ_HEADER_${arg_NAME} "${arg_HCQ_HEADER}")
+  tinydev_export_target(${target})
+endfunction()
+
+# Installs and exports a library target with tinydev's (backends and the libraries they share).
+function(tinydev_export_target target)
+  set_property(GLOBAL APPEND PROPERTY TINYDEV_EXPORTED_TARGETS ${target})
+endfunction()

@@ -1,0 +1,210 @@
+// tinydev/hcq_allocator.hpp: HCQAllocator, the caching allocator of an HCQ device (layer 5), with
+// the staging ring that moves host data through the device's copy queue, and transfers between
+// devices.
+//
+// Thread safety: copies take the device's submit mutex; the LRU cache has its own lock.
+#pragma once
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstring>
+#include <mutex>
+#include <optional>
+#include <span>
+#include <string_view>
+#include <vector>
+
+#include "tinydev/hcq_device.hpp"
+
+namespace tinydev {
+
+// ---- the allocator --------------------------------------------------------------------------------
+
+// The seed's HCQCompatAllocator over a device `Device` (an HCQCompiled). The backend supplies
+// alloc_impl/free_impl (device memory, and host memory for options.host) and `host_copy`, which
+// copies between host pointers and host-visible device memory.
+//
+// Note [Staging ring]
+// copyin goes through a ring of `batch_count` host buffers of `batch_size` bytes: each chunk is
+// copied into the next slot on the caller's thread, then a copy queue moves it to the device and
+// signals the timeline; the slot is tagged with that timeline value and reused only once the
+// timeline has passed it (never by a device-wide synchronize), so copyin returns as soon as the
+// caller's memory has been read. Where device memory is host-visible and the device is idle,
+// copyin and copyout copy directly (nothing is in flight to order against).
+template <class Device>
+class HCQAllocator : public LRUAllocator {
+ public:
+  static constexpr std::size_t kDefaultBatchSize = 2u << 20;
+  static constexpr std::size_t kDefaultBatchCount = 32;
+
+  HCQAllocator(Device& device, std::size_t batch_size = kDefaultBatchSize,
+               std::size_t batch_count = kDefaultBatchCount, bool host_visible = false)
+      : device_(device), batch_size_(batch_size), batch_count_(batch_count), host_visible_(host_visible) {
+    static_assert(HCQDevice<Device>, "HCQAllocator's Device must satisfy tinydev::HCQDevice (tinydev/hcq_concepts.hpp)");
+    if (batch_size == 0 || batch_count == 0)
+      throw InvalidArgument("an HCQ allocator's staging ring needs at least one slot of at least one byte");
+  }
+
+  // Forces every copyin/copyout through the staging ring (tests, benchmarks of the ring).
+  void set_force_staging(bool force) noexcept { force_staging_ = force; }
+  // Changes the ring's shape: waits for the device to finish what uses the old ring, frees it;
+  // the new one is made at the next staged copy.
+  void set_staging_shape(std::size_t batch_size, std::size_t batch_count) {
+    if (batch_size == 0 || batch_count == 0)
+      throw InvalidArgument("an HCQ allocator's staging ring needs at least one slot of at least one byte");
+    std::lock_guard lock(device_.submit_mutex());
+    device_.synchronize();
+    release_ring();
+    batch_size_ = batch_size;
+    batch_count_ = batch_count;
+    next_ = 0;
+  }
+  std::size_t staging_batch_size() const noexcept { return batch_size_; }
+  std::size_t staging_batch_count() const noexcept { return batch_count_; }
+
+  void copyin(Allocation dest, std::span<const std::byte> src) override {
+    detail::check_fits(src.size(), dest, "copyin", describe());
+    std::lock_guard lock(device_.submit_mutex());
+    if (host_visible_ && !force_staging_ && device_.idle()) {
+      direct_copy(dest.host_ptr<std::byte>(), src.data(), src.size(), "CPU", device_.name());
+      return;
+    }
+    ensure_ring();
+    HCQProfileScope<Device, typename Device::copy_queue_type> prof(device_, fmt::format("CPU -> {}", device_.name()), true);
+    for (std::size_t i = 0; i < src.size(); i += batch_size_) {
+      const std::size_t n = std::min(batch_size_, src.size() - i);
+      next_ = (next_ + 1) % ring_.size();
+      device_.timeline_signal().wait(ring_timeline_[next_]);
+      host_copy(ring_[next_].template host_ptr<std::byte>(), src.data() + i, n);
+      const std::uint64_t value = device_.next_timeline_value();
+      device_.copy_queue()
+          .wait(device_.timeline_signal(), value - 1)
+          .copy(Allocation{dest.va_addr + i, n, dest.backend}, ring_[next_], n)
+          .signal(device_.timeline_signal(), value)
+          .submit(device_);
+      ring_timeline_[next_] = value;
+    }
+  }
+
+  void copyout(std::span<std::byte> dest, Allocation src) override {
+    detail::check_fits(dest.size(), src, "copyout", describe());
+    std::lock_guard lock(device_.submit_mutex());
+    device_.synchronize();
+    if (host_visible_ && !force_staging_) {
+      direct_copy(dest.data(), src.host_ptr<std::byte>(), dest.size(), device_.name(), "CPU");
+      return;
+    }
+    ensure_ring();
+    HCQProfileScope<Device, typename Device::copy_queue_type> prof(device_, fmt::format("{} -> CPU", device_.name()), true);
+    for (std::size_t i = 0; i < dest.size(); i += batch_size_) {
+      const std::size_t n = std::min(batch_size_, dest.size() - i);
+      const std::uint64_t value = device_.next_timeline_value();
+      device_.copy_queue()
+          .wait(device_.timeline_signal(), value - 1)
+          .copy(ring_[0], Allocation{src.va_addr + i, n, src.backend}, n)
+          .signal(device_.timeline_signal(), value)
+          .submit(device_);
+      device_.timeline_signal().wait(value);
+      host_copy(dest.data() + i, ring_[0].template host_ptr<std::byte>(), n);
+    }
+  }
+
+  // Copies `size` bytes from `src` on src_device to `dest` on dest_device, ordered after the work
+  // already submitted to both, on src_device's copy queue (the seed's transfer).
+  static void transfer(Allocation dest, Allocation src, std::size_t size, Device& src_device, Device& dest_device) {
+    // Checked before a timeline value is taken: a value taken and never signalled hangs the device.
+    Device::copy_queue_type::check_copy(dest, src, size);
+    std::scoped_lock lock(src_device.submit_mutex(), dest_device.submit_mutex());
+    using Queue = typename Device::copy_queue_type;
+    Queue q;
+    const bool same = &src_device == &dest_device;
+    const std::uint64_t dest_done = dest_device.timeline_value() - 1;  // read before taking a value
+    const std::uint64_t value = src_device.next_timeline_value();
+    {
+      HCQProfileScope<Device, Queue> prof(src_device, fmt::format("{} -> {}", src_device.name(), dest_device.name()),
+                                          true, &q);
+      q.wait(src_device.timeline_signal(), value - 1);
+      if (!same) q.wait(dest_device.timeline_signal(), dest_done);
+      q.copy(dest, src, size);
+    }
+    q.signal(src_device.timeline_signal(), value).submit(src_device);
+    if (!same) {
+      const std::uint64_t value = dest_device.next_timeline_value();
+      dest_device.compute_queue()
+          .wait(src_device.timeline_signal(), src_device.timeline_value() - 1)
+          .wait(dest_device.timeline_signal(), value - 1)
+          .signal(dest_device.timeline_signal(), value)
+          .submit(dest_device);
+    }
+  }
+
+  bool supports_offset() const noexcept override { return true; }
+  Allocation offset(Allocation base, std::size_t size, std::size_t offset) override {
+    return detail::sub_allocation(base, size, offset, describe());
+  }
+  std::optional<std::span<std::byte>> as_buffer(Allocation allocation) override {
+    if (!host_visible_) return std::nullopt;
+    device_.synchronize();  // zero-copy readers must see finished work
+    return std::span<std::byte>(allocation.host_ptr<std::byte>(), allocation.size);
+  }
+
+  // Called by the device when its timeline wraps (Note [Timeline wrap]).
+  void reset_staging_timelines() {
+    std::fill(ring_timeline_.begin(), ring_timeline_.end(), 0);
+  }
+
+ protected:
+  // Copies between host pointers / host-visible memory.
+  virtual void host_copy(std::byte* dest, const std::byte* src, std::size_t size) { std::memcpy(dest, src, size); }
+  // Backends call this in free_impl before memory really goes: a staged copy or a queued kernel
+  // submitted earlier may still write it (the seed's allocators synchronize in _free likewise).
+  void wait_before_free() const {
+    if (device_alive_ && !device_.idle()) device_.wait_timeline(device_.timeline_value() - 1);
+  }
+
+ public:
+  // HCQCompiled's destructor (only a failed open destroys a device) calls this: frees from then on
+  // do not look at its timeline.
+  void detach_device() noexcept override { device_alive_ = false; }
+
+ protected:
+  // Derived destructors must call this before their own memory goes (see LRUAllocator).
+  void release_ring() {
+    for (Allocation& b : ring_) free_impl(b, batch_size_, BufferOptions{.host = true});
+    ring_.clear();
+    ring_timeline_.clear();
+  }
+  Device& device_;
+
+ private:
+  // A copy on the caller's thread (host-visible memory, nothing in flight), traced like a queue's.
+  void direct_copy(std::byte* dest, const std::byte* src, std::size_t size, std::string_view from, std::string_view to) {
+    const std::uint64_t start = device_.profiling() ? Profiler::now_ns() : 0;
+    host_copy(dest, src, size);
+    if (start) Profiler::global().add({fmt::format("{} -> {}", from, to), start, Profiler::now_ns(), device_.name(), "DMA"});
+  }
+  void ensure_ring() {
+    if (!ring_.empty()) return;
+    std::vector<Allocation> ring;
+    try {
+      for (std::size_t i = 0; i < batch_count_; ++i) ring.push_back(alloc_impl(batch_size_, BufferOptions{.host = true}));
+    } catch (...) {
+      for (Allocation& b : ring) free_impl(b, batch_size_, BufferOptions{.host = true});
+      throw;
+    }
+    ring_timeline_.assign(batch_count_, 0);
+    ring_ = std::move(ring);
+  }
+
+  std::size_t batch_size_, batch_count_;
+  bool host_visible_;
+  bool device_alive_ = true;
+  bool force_staging_ = false;
+  std::vector<Allocation> ring_;
+  std::vector<std::uint64_t> ring_timeline_;
+  std::size_t next_ = 0;
+};
+
+}  // namespace tinydev

@@ -1,0 +1,280 @@
+// tinydev/hcq_device.hpp: HCQCompiled, the device of an HCQ backend (layer 5): its timeline
+// signal, signal allocation with deferred reuse, profiling scopes, and the checks that its queues
+// and programs satisfy the HCQ contract (tinydev/hcq_concepts.hpp).
+//
+// Thread safety: HCQCompiled's timeline is advanced under its submit mutex; every member may be
+// called from any thread.
+#pragma once
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <exception>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "tinydev/config.hpp"
+#include "tinydev/counters.hpp"
+#include "tinydev/device.hpp"
+#include "tinydev/hcq_concepts.hpp"
+#include "tinydev/hcq_queue.hpp"
+#include "tinydev/profile.hpp"
+
+namespace tinydev {
+
+// ---- the device -----------------------------------------------------------------------------------
+
+// One span of device work to put in the trace: timestamps taken by the queue into two signals.
+struct ProfileRecord {
+  Signal start, end;
+  std::string name;
+  bool is_copy;
+};
+
+template <class ComputeQueue, class CopyQueue>
+class HCQCompiled : public Compiled {
+ public:
+  using compute_queue_type = ComputeQueue;
+  using copy_queue_type = CopyQueue;
+
+  // Note [Timeline wrap]
+  // The timeline value only grows; once it passes 2^31 the next synchronize (when no work is in
+  // flight) swaps in the shadow signal reset to 0 and restarts at 1, as the seed's
+  // _wrap_timeline_signal. Staging slots tagged with old values are reset with it.
+  static constexpr std::uint64_t kTimelineWrap = 1ull << 31;
+
+  HCQCompiled(std::string name, std::shared_ptr<Allocator> allocator, std::unique_ptr<Compiler> compiler,
+              std::unique_ptr<Runtime> runtime, SourceLanguage language, std::shared_ptr<SignalPool> pool)
+      : Compiled(std::move(name), std::move(allocator), std::move(compiler), std::move(runtime), language),
+        pool_(std::move(pool)),
+        timeline_signal_(pool_->alloc(0)),
+        shadow_timeline_signal_(pool_->alloc(0)),
+        timeline_slot_(&timeline_signal_.slot()) {
+    static_assert(HCQComputeQueue<ComputeQueue>,
+                  "the compute queue lacks a primitive of the HCQ contract: see the unsatisfied requirement "
+                  "below and tinydev/hcq_concepts.hpp");
+    static_assert(HCQCopyQueue<CopyQueue>,
+                  "the copy queue lacks a primitive of the HCQ contract: see the unsatisfied requirement below "
+                  "and tinydev/hcq_concepts.hpp");
+    static_assert(HCQProgram<typename ComputeQueue::program_type>,
+                  "the compute queue's program_type must derive from Program and have device(): see "
+                  "tinydev/hcq_concepts.hpp");
+    // A profile written at exit (or by Profiler::write) must include the device's finished work.
+    // Registered last: a constructor that throws runs no destructor.
+    profile_hook_ = Profiler::global().on_flush([this] {
+      try {
+        synchronize();
+      } catch (const std::exception& e) {
+        debug_log(1, "tinydev: {}: could not finish work for the profile: {}", this->name(), e.what());
+      }
+    });
+  }
+  // Only a failed open destroys a device (devices live as long as the process).
+  ~HCQCompiled() override {
+    Profiler::global().remove_flush(profile_hook_);
+    allocator().detach_device();  // frees from now on do not look at this device's timeline
+  }
+
+  ComputeQueue compute_queue() const { return ComputeQueue(); }  // the seed's hw_compute_queue_t()
+  CopyQueue copy_queue() const { return CopyQueue(); }
+
+  // The timeline signal handle (changes when the timeline wraps; read it under submit_mutex()).
+  const Signal& timeline_signal() const noexcept { return timeline_signal_; }
+  // The next value to signal on the timeline; value - 1 is the last one submitted.
+  std::uint64_t timeline_value() const noexcept { return timeline_value_.load(std::memory_order_acquire); }
+  // Takes the next timeline value (caller holds submit_mutex()).
+  std::uint64_t next_timeline_value() noexcept { return timeline_value_.fetch_add(1, std::memory_order_acq_rel); }
+  std::recursive_mutex& submit_mutex() const noexcept { return submit_mutex_; }
+  SignalPool& signal_pool() const noexcept { return *pool_; }
+
+  // Whether this device's queues can wait on and write signals of `pool`.
+  virtual bool can_reach(const SignalPool& pool) const noexcept { return &pool == pool_.get(); }
+
+  // A timeline position: reached once `slot` holds at least `value`.
+  struct TimelineMark {
+    const SignalSlot* slot;
+    std::uint64_t value;
+    bool reached() const noexcept { return slot->value.load(std::memory_order_acquire) >= value; }
+  };
+  // Where every device whose queues may use this device's signals stands now (the last value
+  // submitted on each timeline). A freed signal's slot is reused only once all are reached. Devices
+  // sharing a signal pool with others override this to list them all.
+  virtual std::vector<TimelineMark> signal_users_now() const {
+    return {TimelineMark{timeline_slot_.load(std::memory_order_acquire), timeline_value() - 1}};
+  }
+
+  Signal alloc_signal(std::uint64_t value = 0) {
+    reclaim_signals();
+    return pool_->alloc(value);
+  }
+  // Note [Deferred signal free]
+  // Work already submitted may still touch the signal, on this device or on any other device
+  // whose queues reach the same pool, so its slot is only reused once every one of those timelines
+  // has passed what was submitted before the free (signal_users_now). The handle dies at once.
+  void free_signal(const Signal& signal) {
+    std::lock_guard lock(submit_mutex_);
+    if (signal.pool() != pool_.get())
+      throw InvalidArgument(fmt::format("{}: cannot free {}: it was allocated elsewhere", name(), signal.describe()));
+    const std::uint32_t index = pool_->retire(signal);  // the handle is dead now; a second free throws
+    pending_frees_.emplace_back(index, signal_users_now());
+    reclaim_signals();
+  }
+
+  void synchronize() override {
+    std::lock_guard lock(submit_mutex_);
+    wait_timeline(timeline_value() - 1);
+    if (timeline_value() > kTimelineWrap) wrap_timeline();
+    reclaim_signals();
+    process_profile_records();
+  }
+
+  // Blocks until the timeline reached `value`. Timeout names the device.
+  // Safe without the submit mutex (the current timeline slot is published atomically).
+  // A wrap in the meantime (Note [Timeline wrap]) means everything before it finished: done too.
+  void wait_timeline(std::uint64_t value, std::chrono::milliseconds timeout = std::chrono::seconds(30)) const {
+    const std::uint64_t wraps = wraps_.load(std::memory_order_acquire);
+    SignalSlot* slot = timeline_slot_.load(std::memory_order_acquire);
+    if (slot->value.load(std::memory_order_acquire) >= value) return;
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    while (true) {
+      try {
+        wait_signal_slot(*slot, value, std::chrono::milliseconds(50), nullptr);
+        return;
+      } catch (const Timeout& e) {
+        if (wraps_.load(std::memory_order_acquire) != wraps) return;
+        if (std::chrono::steady_clock::now() >= deadline)
+          throw Timeout(fmt::format("{}: waiting for timeline value {} timed out after {} ms: it is at {}", name(),
+                                    value, timeout.count(), slot->value.load()));
+      }
+    }
+  }
+  // Whether everything submitted so far has finished. Lock-free.
+  bool idle() const noexcept {
+    return timeline_slot_.load(std::memory_order_acquire)->value.load(std::memory_order_acquire) + 1 >= timeline_value();
+  }
+
+  void wrap_timeline() {
+    std::lock_guard lock(submit_mutex_);
+    wait_timeline(timeline_value() - 1);
+    std::swap(timeline_signal_, shadow_timeline_signal_);
+    timeline_signal_.set(0);
+    timeline_value_.store(1, std::memory_order_release);
+    timeline_slot_.store(&timeline_signal_.slot(), std::memory_order_release);
+    // Pending frees keep marks on the old slot, which holds its final value until the next wrap.
+    wraps_.fetch_add(1, std::memory_order_release);
+    on_timeline_wrapped();
+  }
+
+  // For tests of the wrap: jumps the timeline to `value` (the device must be idle).
+  void set_timeline_for_testing(std::uint64_t value) {
+    std::lock_guard lock(submit_mutex_);
+    wait_timeline(timeline_value() - 1);
+    timeline_signal_.set(value - 1);
+    timeline_value_.store(value, std::memory_order_release);
+    on_timeline_wrapped();
+  }
+
+  // Profiling (TINYDEV_PROFILE): timestamps of device work, turned into trace events on
+  // synchronize. Devices convert their clock with device_to_cpu_ns.
+  bool profiling() const { return Profiler::global().enabled(); }
+  void add_profile_record(ProfileRecord record) {
+    std::lock_guard lock(submit_mutex_);
+    profile_records_.push_back(std::move(record));
+  }
+  void process_profile_records() {
+    std::lock_guard lock(submit_mutex_);
+    for (ProfileRecord& r : profile_records_) {
+      Profiler::global().add(ProfileEvent{r.name, device_to_cpu_ns(r.start.timestamp(), r.is_copy),
+                                          device_to_cpu_ns(r.end.timestamp(), r.is_copy), name(),
+                                          r.is_copy ? "DMA" : "COMPUTE"});
+      pool_->free(r.start);
+      pool_->free(r.end);
+    }
+    profile_records_.clear();
+  }
+  virtual std::uint64_t device_to_cpu_ns(std::uint64_t device_ns, bool is_copy) const = 0;
+
+  DeviceCapabilities capabilities() const override {
+    DeviceCapabilities caps = Compiled::capabilities();
+    caps.hcq = true;
+    return caps;
+  }
+
+ protected:
+  // Hook for the allocator's staging timelines (reset to 0 on wrap).
+  virtual void on_timeline_wrapped() {}
+
+  void reclaim_signals() {
+    std::lock_guard lock(submit_mutex_);
+    auto ready = std::stable_partition(pending_frees_.begin(), pending_frees_.end(), [](const auto& entry) {
+      return !std::all_of(entry.second.begin(), entry.second.end(), [](const TimelineMark& m) { return m.reached(); });
+    });
+    for (auto it = ready; it != pending_frees_.end(); ++it) pool_->recycle(it->first);
+    pending_frees_.erase(ready, pending_frees_.end());
+  }
+
+ private:
+  mutable std::recursive_mutex submit_mutex_;
+  std::shared_ptr<SignalPool> pool_;
+  Signal timeline_signal_, shadow_timeline_signal_;
+  std::atomic<SignalSlot*> timeline_slot_;
+  std::atomic<std::uint64_t> timeline_value_{1};
+  std::vector<std::pair<std::uint32_t, std::vector<TimelineMark>>> pending_frees_;  // (slot index, marks)
+  std::atomic<std::uint64_t> wraps_{0};
+  std::vector<ProfileRecord> profile_records_;
+  std::uint64_t profile_hook_ = 0;
+};
+
+// The seed's hcq_profile: when profiling, brackets work with two timestamp commands (in `queue`
+// when given, else in queues of their own) and records the span under `name`.
+template <class Device, class Queue>
+class HCQProfileScope {
+ public:
+  HCQProfileScope(Device& device, std::string name, bool is_copy, Queue* queue = nullptr)
+      : device_(device), name_(std::move(name)), is_copy_(is_copy), queue_(queue), enabled_(device.profiling()),
+        exceptions_(std::uncaught_exceptions()) {
+    if (!enabled_) return;
+    start_ = device.alloc_signal();
+    end_ = device.alloc_signal();
+    if (queue_) queue_->timestamp(start_);
+    else submit_timestamp(start_);
+  }
+  ~HCQProfileScope() noexcept(false) {
+    if (!enabled_) return;
+    if (std::uncaught_exceptions() > exceptions_) {
+      // Unwinding an error: the bracketed work may not have been queued. Record nothing.
+      device_.free_signal(start_);
+      device_.free_signal(end_);
+      return;
+    }
+    if (queue_) queue_->timestamp(end_);
+    else submit_timestamp(end_);
+    device_.add_profile_record(ProfileRecord{start_, end_, std::move(name_), is_copy_});
+  }
+  HCQProfileScope(const HCQProfileScope&) = delete;
+  HCQProfileScope& operator=(const HCQProfileScope&) = delete;
+
+ private:
+  // A queue of its own that takes a timeline value, so synchronize() also waits for the timestamp
+  // (the records are read, and their signals freed, after a synchronize).
+  void submit_timestamp(const Signal& signal) {
+    std::lock_guard lock(device_.submit_mutex());
+    const std::uint64_t value = device_.next_timeline_value();
+    Queue().wait(device_.timeline_signal(), value - 1).timestamp(signal).signal(device_.timeline_signal(), value).submit(device_);
+  }
+
+  Device& device_;
+  std::string name_;
+  bool is_copy_;
+  Queue* queue_;
+  bool enabled_;
+  int exceptions_;
+  Signal start_, end_;
+};
+
+}  // namespace tinydev

@@ -1,0 +1,223 @@
+// tinydev/hcq_queue.hpp: HCQ command queues (layer 5), as CRTP templates over a backend's queues.
+//
+// A backend defines its command word type and two queue classes deriving (CRTP) from
+// HWComputeQueue / HWCopyQueue, supplying only the primitives (_signal, _wait, _timestamp,
+// _memory_barrier, _exec, _copy, their _update_* twins and _submit; the list, with what each must
+// do, is the concepts in tinydev/hcq_concepts.hpp). The templates record the seed's per-command
+// metadata (offset, length, kind) so a recorded queue can be patched in place and submitted any
+// number of times; no virtual call happens per command.
+//
+// Ownership: a queue owns its recorded commands. Submitting hands the device a reference-counted
+// snapshot, so a queue may be patched or destroyed right after submit (copy-on-write: patching a
+// queue whose snapshot is still queued copies it first).
+// Thread safety: one queue object is used by one thread at a time.
+#pragma once
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "tinydev/compile.hpp"
+#include "tinydev/error.hpp"
+#include "tinydev/memory.hpp"
+#include "tinydev/signal.hpp"
+
+namespace tinydev {
+
+enum class CommandKind : std::uint8_t { signal, wait, timestamp, memory_barrier, exec, copy };
+constexpr std::string_view to_string(CommandKind kind) noexcept {
+  constexpr std::string_view names[] = {"signal", "wait", "timestamp", "memory_barrier", "exec", "copy"};
+  return names[static_cast<int>(kind)];
+}
+
+// A block of kernel arguments in memory the device reads when the kernel starts: 8-byte buffer
+// addresses, then 4-byte values (the seed's fill_kernargs layout). Owned by whoever allocated it
+// (a device's kernargs ring, a graph).
+struct Kernargs {
+  std::byte* ptr = nullptr;
+  std::uint32_t num_buffers = 0;
+  std::uint32_t num_values = 0;
+  static constexpr std::size_t bytes_for(std::size_t buffers, std::size_t values) noexcept {
+    return buffers * 8 + values * 4;
+  }
+  std::size_t size() const noexcept { return bytes_for(num_buffers, num_values); }
+  void set_buffer(std::size_t i, std::uint64_t address) const noexcept { std::memcpy(ptr + i * 8, &address, 8); }
+  void set_value(std::size_t i, std::int32_t value) const noexcept {
+    std::memcpy(ptr + num_buffers * 8 + i * 4, &value, 4);
+  }
+  std::uint64_t buffer(std::size_t i) const noexcept {
+    std::uint64_t a;
+    std::memcpy(&a, ptr + i * 8, 8);
+    return a;
+  }
+  std::int32_t value(std::size_t i) const noexcept {
+    std::int32_t v;
+    std::memcpy(&v, ptr + num_buffers * 8 + i * 4, 4);
+    return v;
+  }
+};
+
+// Checks the counts against the program's signature (when it declares one), then writes the
+// arguments (the seed's HCQCompatProgram.fill_kernargs).
+void fill_kernargs(const Program& program, const Kernargs& kernargs, std::span<const Allocation> buffers,
+                   std::span<const std::int32_t> values);
+
+// ---- queues ---------------------------------------------------------------------------------------
+
+template <class Derived, class Command>
+class HWCommandQueue {
+ public:
+  using command_type = Command;
+
+  std::size_t size() const noexcept { return kinds_.size(); }  // number of commands (seed: len)
+  CommandKind kind(std::size_t cmd) const { return kinds_.at(cmd); }
+
+  Derived& signal(const Signal& signal, std::uint64_t value) {
+    return record(CommandKind::signal, signal, [&] { self()._signal(signal, value); });
+  }
+  Derived& wait(const Signal& signal, std::uint64_t value) {
+    return record(CommandKind::wait, signal, [&] { self()._wait(signal, value); });
+  }
+  Derived& timestamp(const Signal& signal) {
+    return record(CommandKind::timestamp, signal, [&] { self()._timestamp(signal); });
+  }
+
+  Derived& update_signal(std::size_t cmd, std::optional<Signal> signal = {}, std::optional<std::uint64_t> value = {}) {
+    check(cmd, CommandKind::signal, "update_signal");
+    if (signal) note_pool(*signal);
+    self()._update_signal(cmd, signal, value);
+    return self();
+  }
+  Derived& update_wait(std::size_t cmd, std::optional<Signal> signal = {}, std::optional<std::uint64_t> value = {}) {
+    check(cmd, CommandKind::wait, "update_wait");
+    if (signal) note_pool(*signal);
+    self()._update_wait(cmd, signal, value);
+    return self();
+  }
+
+  // Hands a snapshot of the commands to `device`. Throws InvalidArgument (nothing queued) when the
+  // device is of another kind or cannot reach a signal the queue uses.
+  template <class Device>
+  Derived& submit(Device& device) {
+    self()._submit(device);
+    return self();
+  }
+
+  // The signal pools this queue's commands reference (devices check they can reach them).
+  const std::vector<const SignalPool*>& pools() const noexcept { return pools_; }
+
+ protected:
+  HWCommandQueue() : q_(std::make_shared<std::vector<Command>>()) {}
+
+  Derived& self() noexcept { return static_cast<Derived&>(*this); }
+
+  // Records one command: `emit` appends its words; if it throws, nothing stays recorded.
+  template <class Emit>
+  Derived& record(CommandKind kind, Emit&& emit) {
+    std::vector<Command>& q = mutable_commands();
+    const std::size_t before = q.size();
+    try {
+      emit();
+    } catch (...) {
+      mutable_commands().resize(before);
+      throw;
+    }
+    offsets_.push_back(static_cast<std::uint32_t>(before));
+    lens_.push_back(static_cast<std::uint32_t>(mutable_commands().size() - before));
+    kinds_.push_back(kind);
+    return self();
+  }
+  template <class Emit>
+  Derived& record(CommandKind kind, const Signal& signal, Emit&& emit) {
+    signal.slot();  // throws for a freed or empty handle, before anything is recorded
+    note_pool(signal);
+    return record(kind, std::forward<Emit>(emit));
+  }
+
+  void check(std::size_t cmd, CommandKind want, std::string_view what) const {
+    if (cmd >= kinds_.size())
+      throw InvalidArgument(fmt::format("{}: command index {} is out of range: the queue has {} commands",
+                                        what, cmd, kinds_.size()));
+    if (kinds_[cmd] != want)
+      throw InvalidArgument(fmt::format("called {} not on a {} command: command {} is a {}", what,
+                                        to_string(want), cmd, to_string(kinds_[cmd])));
+  }
+
+  // The words of command `cmd`, writable (copied first if a submitted snapshot shares them).
+  Command* command_words(std::size_t cmd) { return mutable_commands().data() + offsets_[cmd]; }
+  std::vector<Command>& mutable_commands() {
+    if (q_.use_count() > 1) q_ = std::make_shared<std::vector<Command>>(*q_);
+    else std::atomic_thread_fence(std::memory_order_acquire);  // the worker's release of its snapshot
+    return *q_;                                                   // happens before our writes
+  }
+  std::shared_ptr<const std::vector<Command>> snapshot() const { return q_; }
+
+  void note_pool(const Signal& signal) {
+    if (std::find(pools_.begin(), pools_.end(), signal.pool()) == pools_.end()) pools_.push_back(signal.pool());
+  }
+
+ private:
+  std::shared_ptr<std::vector<Command>> q_;
+  std::vector<std::uint32_t> offsets_, lens_;
+  std::vector<CommandKind> kinds_;
+  std::vector<const SignalPool*> pools_;
+};
+
+template <class Derived, class Command, class ProgramT>
+class HWComputeQueue : public HWCommandQueue<Derived, Command> {
+  using Base = HWCommandQueue<Derived, Command>;
+
+ public:
+  using program_type = ProgramT;
+
+  Derived& memory_barrier() {
+    return this->record(CommandKind::memory_barrier, [&] { this->self()._memory_barrier(); });
+  }
+  // Launches `program` reading its arguments from `kernargs` when it starts.
+  Derived& exec(const ProgramT& program, const Kernargs& kernargs, Dim3 global_size, Dim3 local_size) {
+    return this->record(CommandKind::exec, [&] { this->self()._exec(program, kernargs, global_size, local_size); });
+  }
+  Derived& update_exec(std::size_t cmd, Dim3 global_size, Dim3 local_size) {
+    this->check(cmd, CommandKind::exec, "update_exec");
+    this->self()._update_exec(cmd, global_size, local_size);
+    return this->self();
+  }
+
+  // The default primitive (tinydev/hcq_concepts.hpp): records nothing.
+  void _memory_barrier() {}
+};
+
+template <class Derived, class Command>
+class HWCopyQueue : public HWCommandQueue<Derived, Command> {
+ public:
+  // Copies `size` bytes; InvalidArgument (nothing recorded) if it runs past either allocation.
+  Derived& copy(const Allocation& dest, const Allocation& src, std::size_t size) {
+    check_copy(dest, src, size);
+    return this->record(CommandKind::copy, [&] { this->self()._copy(dest, src, size); });
+  }
+  Derived& update_copy(std::size_t cmd, std::optional<Allocation> dest = {}, std::optional<Allocation> src = {}) {
+    this->check(cmd, CommandKind::copy, "update_copy");
+    this->self()._update_copy(cmd, dest, src);
+    return this->self();
+  }
+
+  // InvalidArgument when a copy of `size` bytes runs past either allocation.
+  static void check_copy(const Allocation& dest, const Allocation& src, std::size_t size) {
+    if (size > dest.size || size > src.size)
+      throw InvalidArgument(fmt::format("copy of {} bytes runs past the end of the {} ({} bytes)", size,
+                                        size > dest.size ? "destination" : "source",
+                                        size > dest.size ? dest.size : src.size));
+  }
+};
+
+}  // namespace tinydev

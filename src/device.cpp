@@ -1,0 +1,40 @@
+// Compiled (tinydev/device.hpp): the bundle a device name resolves to.
+#include <fmt/format.h>
+
+#include "tinydev/device.hpp"
+#include "tinydev/error.hpp"
+
+namespace tinydev {
+
+Compiled::Compiled(std::string name, std::shared_ptr<Allocator> allocator,
+                   std::unique_ptr<Compiler> compiler, std::unique_ptr<Runtime> runtime,
+                   SourceLanguage language)
+    : name_(std::move(name)),
+      allocator_(std::move(allocator)),
+      compiler_(compiler ? std::move(compiler) : std::make_unique<Compiler>()),
+      runtime_(std::move(runtime)),
+      language_(language) {}
+
+std::shared_ptr<Program> Compiled::load_kernel(std::string_view kernel_name, std::string_view source) {
+  if (!runtime_)
+    throw InvalidArgument(fmt::format("{} runs no kernels: it has no runtime", name_));
+  Blob blob = compiler_->compile_cached(source);
+  return runtime_->load(kernel_name, blob);
+}
+
+std::unique_ptr<Graph> Compiled::create_graph(std::vector<GraphNode> nodes) {
+  return make_eager_graph(*this, std::move(nodes));
+}
+
+std::map<std::string, std::string> Compiled::properties() const {
+  return {{"source language", std::string(to_string(language_))},
+          {"allocator", allocator_->describe()}};
+}
+
+DeviceCapabilities Compiled::capabilities() const {
+  return DeviceCapabilities{.compiles_source = language_ != SourceLanguage::None,
+                            .caches_compiles = compiler_->cache_key().has_value(),
+                            .native_graphs = supports_graph()};
+}
+
+}  // namespace tinydev
