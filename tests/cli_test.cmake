@@ -12,3 +12,9 @@ execute_process(COMMAND ${CLI} --help RESULT_VARIABLE rc OUTPUT_VARIABLE out)
 if(NOT rc EQUAL 0 OR NOT out MATCHES "demo")
   message(FATAL_ERROR "tinydev --help: exit ${rc}\n${out}")
 endif()
+# The demo checks results, so a device whose programs compute nothing (NULL) is a usage error that
+# says so, not a "FAILED: results differ".
+execute_process(COMMAND ${CLI} demo NULL RESULT_VARIABLE rc ERROR_VARIABLE err)
+if(NOT rc EQUAL 2 OR NOT err MATCHES "NULL's programs compute nothing")
+  message(FATAL_ERROR "tinydev demo NULL: exit ${rc}, expected 2 saying why\n${err}")
+endif()

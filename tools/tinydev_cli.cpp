@@ -49,6 +49,11 @@ int devices() {
 int demo(const std::string& device_name) {
   using namespace tinydev;
   Compiled& dev = Device[device_name];
+  if (!dev.capabilities().runs_kernels)
+    throw InvalidArgument(fmt::format("{}'s programs compute nothing (its capabilities say so), so there is no "
+                                      "result to check: run the demo on a device that runs kernels, such as one "
+                                      "of `tinydev devices` with queues",
+                                      dev.name()));
   const std::string src = kernels::add_f32(dev.source_language(), "add");
   constexpr std::size_t n = 1u << 22;
 
