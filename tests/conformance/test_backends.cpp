@@ -165,6 +165,34 @@ TEST_CASE("backends: the allocator caches by size and options and mem_used follo
   });
 }
 
+TEST_CASE("backends: buffers round-trip random bytes and views read their base at the offset", "[backends]") {
+  for_each_backend([](Compiled& dev) {
+    const std::uint64_t seed = fresh_seed();
+    INFO("seed " << seed);
+    const std::size_t n = (1u << 20) + 13;
+    const auto data = random_bytes(n, seed);
+    Buffer b(dev.name(), n, dtypes::uint8);
+    b.allocate().copyin(data);
+    std::vector<std::byte> back(n);
+    b.copyout(back);
+    CHECK(back == data);
+    // A view at an odd offset, through the allocator's offset() (the seed's _offset).
+    if (!dev.allocator().supports_offset()) return skip(dev.name() + "'s allocator has no views (supports_offset)");
+    const std::size_t offset = 4099, size = 1000;
+    Buffer v = b.view(size, dtypes::uint8, offset);
+    v.allocate();
+    std::vector<std::byte> part(size);
+    v.copyout(part);
+    CHECK(std::equal(part.begin(), part.end(), data.begin() + offset));
+    // Writing the view writes the base.
+    const auto patch = random_bytes(size, seed + 1);
+    v.copyin(patch);
+    b.copyout(back);
+    CHECK(std::equal(patch.begin(), patch.end(), back.begin() + offset));
+    CHECK(std::equal(data.begin(), data.begin() + offset, back.begin()));
+  });
+}
+
 TEST_CASE("backends: CLANG without a clang on PATH is DeviceUnavailable saying so", "[backends]") {
   if (!in_this_run("CLANG")) return;
   const char* old_path = std::getenv("PATH");

@@ -152,7 +152,7 @@ TEST_CASE("graph: bad graphs and replays are errors", "[graph]") {
   });
 }
 
-TEST_CASE("graph: devices without native graphs replay eagerly", "[graph]") {
+TEST_CASE("graph: devices without native graphs replay eagerly", "[graph][host]") {
   FakeDevice& fake = fake_device();
   CHECK_FALSE(fake.supports_graph());
   Buffer a("fake", 16, dtypes::int32), b("fake", 16, dtypes::int32);

@@ -153,7 +153,7 @@ TEST_CASE("loaders: ten thousand mutated objects per device load or fail cleanly
   });
 }
 
-TEST_CASE("loaders: C kernel signatures are read from the source", "[loaders]") {
+TEST_CASE("loaders: C kernel signatures are read from the source", "[loaders][host]") {
   auto sig = [](std::string_view src, std::string_view name) -> std::optional<KernelSignature> {
     for (const auto& k : cpu::c_signatures(src))
       if (k.name == name) return k.signature;

@@ -133,7 +133,7 @@ TEST_CASE("trust: a cache entry planted by another user never runs", "[trust]") 
   });
 }
 
-TEST_CASE("trust: a compiler subprocess past its timeout is killed with its children and reaped", "[trust]") {
+TEST_CASE("trust: a compiler subprocess past its timeout is killed with its children and reaped", "[trust][host]") {
   using namespace std::chrono;
   const auto start = steady_clock::now();
   clang_backend::ProcessResult r =
