@@ -31,6 +31,15 @@ function(tinydev_add_backend)
     message(FATAL_ERROR "tinydev_add_backend: NAME '${arg_NAME}' must be uppercase letters and digits, starting "
                         "with a letter, as device names are canonicalized (e.g. NAME MYDEV) (in ${CMAKE_CURRENT_LIST_FILE})")
   endif()
+  string(LENGTH "${arg_NAME}" length)
+  if(length GREATER 32)
+    message(FATAL_ERROR "tinydev_add_backend: NAME '${arg_NAME}' is ${length} characters; a device type has at most 32")
+  endif()
+  # The names of tinydev's own targets (tinydev_core, tinydev_cpu, ...) are taken.
+  if(arg_NAME MATCHES "^(CORE|CPU|ORC|CLI|BENCH|TEST|TESTS|TEST_MAIN)$")
+    message(FATAL_ERROR "tinydev_add_backend: NAME ${arg_NAME} is reserved: tinydev_${arg_NAME} names one of tinydev's "
+                        "own targets; choose another device type (in ${CMAKE_CURRENT_LIST_FILE})")
+  endif()
   get_property(names GLOBAL PROPERTY TINYDEV_BACKEND_NAMES)
   if(arg_NAME IN_LIST names OR arg_NAME STREQUAL "DISK")
     message(FATAL_ERROR "tinydev_add_backend: a backend named ${arg_NAME} exists already (in ${CMAKE_CURRENT_LIST_FILE})")
@@ -75,7 +84,12 @@ function(tinydev_add_backend)
   endif()
 
   set(target tinydev_${lname})
+  if(TARGET ${target})
+    message(FATAL_ERROR "tinydev_add_backend(${arg_NAME}): a target named ${target} exists already")
+  endif()
   add_library(${target} STATIC ${arg_SOURCES})
+  # The backend's folder is on its users' include path: HCQ_HEADER and the backend's own headers.
+  target_include_directories(${target} PUBLIC $<BUILD_INTERFACE:${CMAKE_CURRENT_SOURCE_DIR}>)
   target_compile_options(${target} PRIVATE -Wall -Wextra)
   target_link_libraries(${target} PUBLIC tinydev_core ${arg_DEPENDS} PRIVATE ${arg_PRIVATE_DEPENDS})
   set_target_properties(${target} PROPERTIES EXPORT_NAME ${lname})

@@ -26,6 +26,7 @@ constexpr std::string_view kVariables[] = {
     "TINYDEV_LRU_MAX_BYTES",  "TINYDEV_DISABLE_COMPILER_CACHE",
     "TINYDEV_ASSERT_COMPILE", "TINYDEV_CACHE_DIR",       "TINYDEV_CACHE_MAX_BYTES",
     "TINYDEV_PROFILE",        "TINYDEV_CPU_THREADS",     "TINYDEV_COMPILE_TIMEOUT",
+    "TINYDEV_CUDA_DRIVER",    "TINYDEV_CUDA_PTX",
 };
 constexpr std::string_view kPrefix = "TINYDEV_";
 
@@ -107,6 +108,9 @@ Settings parse_with(Get get) {
     out.cpu_threads = parse_int("TINYDEV_CPU_THREADS", *v, 1, 1024);
   if (auto v = get("TINYDEV_COMPILE_TIMEOUT"); v && !v->empty())
     out.compile_timeout_s = parse_int("TINYDEV_COMPILE_TIMEOUT", *v, 1, 86400);
+  if (auto v = get("TINYDEV_CUDA_DRIVER"); v && !v->empty())
+    out.cuda_driver = parse_path("TINYDEV_CUDA_DRIVER", *v);
+  if (auto v = get("TINYDEV_CUDA_PTX"); v && !v->empty()) out.cuda_ptx = parse_flag("TINYDEV_CUDA_PTX", *v);
   if (auto v = get("TINYDEV_CACHE_DIR"); v && !v->empty()) {
     out.cache_dir = parse_path("TINYDEV_CACHE_DIR", *v);
   } else {

@@ -207,6 +207,8 @@ Compiled& DeviceRegistry::operator[](std::string_view name) {
   std::unique_ptr<Compiled> opened = factory(canonical);
   if (!opened)
     throw DeviceUnavailable(fmt::format("backend for '{}' returned no device", canonical));
+  // The device is whole now and will live until exit: it may hand out pointers to itself.
+  opened->on_opened();
   debug_log(1, "opened device {} from pid:{}", canonical, ::getpid());
   Compiled* dev = opened.release();
   slot->device.store(dev, std::memory_order_release);

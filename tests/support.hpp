@@ -24,6 +24,8 @@ inline constexpr int kSkipExitCode = 4;
 void skip(const std::string& reason);
 // Marks that the current test did real work (the conformance suite calls it per backend run).
 void note_ran();
+// How many times skip() was called in this run.
+int skip_count();
 // The name of the test case running now.
 const std::string& current_test_name();
 // The backend given with --backend, or "".

@@ -39,6 +39,13 @@ inline std::string add_f32(SourceLanguage language, std::string_view name = "add
       return "void " + n +
              "(float* restrict out, const float* restrict a, const float* restrict b, int n) {\n"
              "  for (int i = 0; i < n; i++) out[i] = a[i] + b[i];\n}\n";
+    case SourceLanguage::CUDA:
+      // A grid-stride loop: correct for any launch size (one thread with the default LaunchParams),
+      // fast with a grid of blocks.
+      return "extern \"C\" __global__ void " + n +
+             "(float* __restrict__ out, const float* __restrict__ a, const float* __restrict__ b, int n) {\n"
+             "  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)\n"
+             "    out[i] = a[i] + b[i];\n}\n";
     default:
       throw InvalidArgument(std::string("no add kernel for source language ") +
                             std::string(to_string(language)));

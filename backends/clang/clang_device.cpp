@@ -39,8 +39,8 @@ class ClangCompiler final : public Compiler {
       : Compiler("compile_clang"), path_(std::move(path)), version_(std::move(version)) {
     const cpu::HostTarget& t = cpu::host_target();
     // -march=native makes the host CPU part of the output, so it is part of the key.
-    identity_ = fmt::format("{} [{}] {} {} features:{:016x} flags:{} blob:TDVCPU01a", path_, version_, t.triple,
-                            t.cpu, XXH3_64bits(t.features.data(), t.features.size()),
+    identity_ = fmt::format("{} [{}] {} {} host:{:016x} flags:{} blob:TDVCPU01a", path_, version_, t.triple,
+                            t.cpu, XXH3_64bits(t.fingerprint.data(), t.fingerprint.size()),
                             fmt::join(kFlags, " "));
   }
 

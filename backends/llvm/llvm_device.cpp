@@ -2,6 +2,8 @@
 // by the CPU object runtime (the fast ELF loader on x86-64, ORC's JITLink for the rest). With
 // orc_linker.cpp the only files that see LLVM's headers.
 #include <fmt/format.h>
+
+#include <algorithm>
 #include <llvm/Analysis/CGSCCPassManager.h>
 #include <llvm/Analysis/LoopAnalysisManager.h>
 #include <llvm/Config/llvm-config.h>
@@ -153,6 +155,9 @@ class LLVMDevice final : public cpu::CpuHCQDevice {
     auto props = CpuHCQDevice::properties();
     props.insert_or_assign("target", llvm_host_target().triple);
     props.insert_or_assign("cpu", llvm_host_target().cpu);
+    const std::string& features = llvm_host_target().features;
+    props.insert_or_assign("cpu features",
+                           fmt::format("{} enabled", std::count(features.begin(), features.end(), '+')));
     props["compiler"] = fmt::format("LLVM {} in process", LLVM_VERSION_STRING);
     return props;
   }

@@ -35,6 +35,8 @@ struct Settings {
   std::string profile;                          // TINYDEV_PROFILE: trace file written at exit
   int cpu_threads = 0;                          // TINYDEV_CPU_THREADS; 0 = the core count
   int compile_timeout_s = 300;                  // TINYDEV_COMPILE_TIMEOUT: a compiler subprocess's limit
+  std::string cuda_driver;                      // TINYDEV_CUDA_DRIVER: the driver library; "" = libcuda.so.1
+  bool cuda_ptx = false;                        // TINYDEV_CUDA_PTX: compile CUDA to PTX (driver JIT), not CUBIN
 };
 
 // The current settings (environment + active overrides). Throws InvalidArgument on the first call

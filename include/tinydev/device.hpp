@@ -67,6 +67,12 @@ class Compiled {
   // Human-readable facts for `tinydev devices` (target, compiler, ...).
   virtual std::map<std::string, std::string> properties() const;
 
+  // Called once by the registry after the backend's factory returned the device, before anyone
+  // else sees it. From then on the device lives until the process exits, so this is where it
+  // registers process-wide hooks that point at it (HCQCompiled: the profiler's flush hook). A
+  // device the factory throws out of, or one built outside the registry, never gets the call.
+  virtual void on_opened() {}
+
  private:
   std::string name_;
   std::shared_ptr<Allocator> allocator_;

@@ -90,10 +90,12 @@ concept HCQProgram = std::derived_from<P, Program> && requires(const P& p) {
 //     and pass it to HCQCompiled's constructor;
 //  2. when its signals live in a pool other devices reach too, override can_reach() and
 //     signal_users_now() together (Note [Deferred signal free]);
-//  3. override supports_graph() (true) and create_graph() (an HCQGraph<Device>) where graphs are
+//  3. override on_timeline_wrapped() to call its allocator's reset_staging_timelines() (else a
+//     staged copy after a wrap waits for a timeline value that never comes, then times out);
+//  4. override supports_graph() (true) and create_graph() (an HCQGraph<Device>) where graphs are
 //     native; capabilities() with the whole truth about the device.
-// HCQCompiled itself registers the profiler's flush hook and detaches the allocator when a device
-// is destroyed (only a failed open does that).
+// HCQCompiled itself registers the profiler's flush hook once the device is opened (on_opened)
+// and detaches the allocator when a device is destroyed (only a failed open does that).
 template <class D>
 concept HCQDevice =
     std::derived_from<D, HCQCompiled<typename D::compute_queue_type, typename D::copy_queue_type>> &&

@@ -64,8 +64,19 @@ class HCQCompiled : public Compiled {
     static_assert(HCQProgram<typename ComputeQueue::program_type>,
                   "the compute queue's program_type must derive from Program and have device(): see "
                   "tinydev/hcq_concepts.hpp");
-    // A profile written at exit (or by Profiler::write) must include the device's finished work.
-    // Registered last: a constructor that throws runs no destructor.
+  }
+  // Only a failed open destroys a device (devices live as long as the process), and then
+  // on_opened never ran: no hook points at it.
+  ~HCQCompiled() override {
+    if (profile_hook_) Profiler::global().remove_flush(profile_hook_);
+    allocator().detach_device();  // frees from now on do not look at this device's timeline
+  }
+
+  // A profile written at exit (or by Profiler::write) must include the device's finished work.
+  // Registered once the device is whole (Compiled::on_opened): a flush never meets a device
+  // under construction or destruction.
+  void on_opened() override {
+    Compiled::on_opened();
     profile_hook_ = Profiler::global().on_flush([this] {
       try {
         synchronize();
@@ -73,11 +84,6 @@ class HCQCompiled : public Compiled {
         debug_log(1, "tinydev: {}: could not finish work for the profile: {}", this->name(), e.what());
       }
     });
-  }
-  // Only a failed open destroys a device (devices live as long as the process).
-  ~HCQCompiled() override {
-    Profiler::global().remove_flush(profile_hook_);
-    allocator().detach_device();  // frees from now on do not look at this device's timeline
   }
 
   ComputeQueue compute_queue() const { return ComputeQueue(); }  // the seed's hw_compute_queue_t()

@@ -251,7 +251,7 @@ class LRUAllocator : public Allocator {
 
 // Host memory (the seed's MallocAllocator): 64-byte aligned, never zero-filled, host-readable
 // (zero-copy as_buffer), with views. MallocAllocator::shared() is one process-wide instance for
-// host-side users; the CPU devices have HCQ allocators of their own (backends/cpu/cpu_hcq.hpp).
+// host-side users; the CPU devices have HCQ allocators of their own (src/cpu/cpu_hcq.hpp).
 class MallocAllocator final : public LRUAllocator {
  public:
   MallocAllocator() = default;

@@ -1,6 +1,7 @@
-// backends/cpu/cpu_blob.hpp: what the CPU compilers return and the compile cache stores: the
-// object file, prefixed by the kernels' signatures (how many buffers, how many int32 values) so
-// that launches with the wrong counts are errors instead of undefined behaviour.
+// src/cpu/cpu_blob.hpp (installed as <tinydev/cpu/cpu_blob.hpp>): what the CPU compilers return
+// and the compile cache stores: the object file, prefixed by the kernels' signatures (how many
+// buffers, how many int32 values) so that launches with the wrong counts are errors instead of
+// undefined behaviour.
 //
 //   magic "TDVCPU01" | u32 count | count x (u16 name length, name, u16 buffers, u16 values) |
 //   u16 padding | padding zero bytes (to 8-byte alignment) | object

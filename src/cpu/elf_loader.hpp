@@ -1,4 +1,4 @@
-// backends/cpu/elf_loader.hpp: a small loader for x86-64 ELF relocatable objects, the fast path of
+// src/cpu/elf_loader.hpp: a small loader for x86-64 ELF relocatable objects, the fast path of
 // the CPU backends' ObjectRuntime (installed with the CPU headers; few users need it directly).
 //
 // Note [Two object loaders]
@@ -8,7 +8,9 @@
 // sections in one mapping, builds a GOT and call stubs for external symbols, applies the
 // relocations and seals the code read+execute: a few microseconds. A well-formed object it does not
 // handle (an unknown relocation kind, initializers, TLS, common symbols, a reference out of 32-bit
-// range) makes it decline with a reason, and ObjectRuntime falls back to ORC.
+// range) makes it decline with a reason, and ObjectRuntime hands it to its ObjectLinker: ORC's
+// JITLink (backends/llvm/orc_linker.hpp) in builds with LLVM. A build without LLVM has no linker,
+// and such an object is an InvalidArgument that says so.
 //
 // Note [Object validation]
 // Blobs come from outside the process (the compile cache, a caller), and neither loader may crash,

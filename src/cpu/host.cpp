@@ -2,7 +2,14 @@
 
 #include <fmt/format.h>
 
+#if defined(__x86_64__)
+#include <cpuid.h>
+#elif defined(__aarch64__)
+#include <sys/auxv.h>
+#endif
+
 #include <algorithm>
+#include <cstring>
 #include <fstream>
 #include <sstream>
 #include <vector>
@@ -37,6 +44,54 @@ std::string cpuinfo_field(const std::string& cpuinfo, std::string_view field) {
   return "";
 }
 
+#if defined(__x86_64__)
+// Leaves 0, 1 (without EBX, which holds the APIC id of whichever core runs this), 7.0 and 7.1,
+// 0x80000001, XCR0 when the OS enabled XSAVE, and the brand string.
+std::string cpu_fingerprint(std::string& brand) {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  std::string out;
+  if (!__get_cpuid(0, &a, &b, &c, &d)) return "";
+  const unsigned max_leaf = a;
+  char vendor[13] = {};
+  std::memcpy(vendor, &b, 4);
+  std::memcpy(vendor + 4, &d, 4);
+  std::memcpy(vendor + 8, &c, 4);
+  out += fmt::format("{} max:{:x}", vendor, max_leaf);
+  __get_cpuid(1, &a, &b, &c, &d);
+  out += fmt::format(" 1:{:08x},{:08x},{:08x}", a, c, d);
+  const bool osxsave = (c >> 27) & 1;
+  if (max_leaf >= 7) {
+    __cpuid_count(7, 0, a, b, c, d);
+    out += fmt::format(" 7.0:{:08x},{:08x},{:08x}", b, c, d);
+    __cpuid_count(7, 1, a, b, c, d);
+    out += fmt::format(" 7.1:{:08x},{:08x},{:08x},{:08x}", a, b, c, d);
+  }
+  if (__get_cpuid(0x80000001, &a, &b, &c, &d)) out += fmt::format(" e1:{:08x},{:08x}", c, d);
+  if (osxsave) {
+    unsigned lo = 0, hi = 0;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    out += fmt::format(" xcr0:{:08x}{:08x}", hi, lo);
+  }
+  char text[49] = {};
+  unsigned regs[12] = {};
+  if (__get_cpuid(0x80000000, &a, &b, &c, &d) && a >= 0x80000004) {
+    for (unsigned leaf = 0; leaf < 3; ++leaf)
+      __get_cpuid(0x80000002 + leaf, &regs[leaf * 4], &regs[leaf * 4 + 1], &regs[leaf * 4 + 2], &regs[leaf * 4 + 3]);
+    std::memcpy(text, regs, 48);
+    brand = text;
+    brand.erase(0, brand.find_first_not_of(' '));
+  }
+  return out + " " + brand;
+}
+#elif defined(__aarch64__)
+std::string cpu_fingerprint(std::string&) {
+  std::ifstream midr("/sys/devices/system/cpu/cpu0/regs/identification/midr_el1");
+  std::string id;
+  midr >> id;
+  return fmt::format("hwcap:{:x} hwcap2:{:x} midr:{}", getauxval(AT_HWCAP), getauxval(AT_HWCAP2), id);
+}
+#endif
+
 }  // namespace
 
 const HostTarget& host_target() {
@@ -47,7 +102,9 @@ const HostTarget& host_target() {
     const std::string cpuinfo = content.str();
     HostTarget t;
     t.triple = kTriple;
-    t.cpu = cpuinfo_field(cpuinfo, "model name");
+    std::string brand;
+    t.fingerprint = cpu_fingerprint(brand);
+    t.cpu = brand.empty() ? cpuinfo_field(cpuinfo, "model name") : brand;
     if (t.cpu.empty()) t.cpu = cpuinfo_field(cpuinfo, "CPU part");
     if (t.cpu.empty()) t.cpu = "unknown";
     std::vector<std::string> flags;

@@ -11,8 +11,13 @@ namespace tinydev::cpu {
 
 struct HostTarget {
   std::string triple;    // "x86_64-pc-linux-gnu", from the compiler that built tinydev
-  std::string cpu;       // /proc/cpuinfo's model name ("unknown" when it has none)
-  std::string features;  // "+avx2,+fma,...": /proc/cpuinfo's flags, sorted
+  std::string cpu;       // the CPU's brand string (cpuid), else /proc/cpuinfo's model name, else "unknown"
+  std::string features;  // "+avx2,+fma,...": /proc/cpuinfo's flags, sorted (for display)
+  // What tells this CPU's code generation apart, read from the hardware itself (x86-64: cpuid's
+  // vendor, family/model/stepping and feature words, and the OS-enabled register state; AArch64:
+  // the hwcaps and MIDR), so a cache key built on it never hands `-march=native` code to another
+  // CPU even where /proc/cpuinfo cannot be read.
+  std::string fingerprint;
 };
 const HostTarget& host_target();
 

@@ -19,7 +19,7 @@ const KernelSource kUnresolved{
     "void tinydev_no_such_function(void);\nvoid calls_missing(void) { tinydev_no_such_function(); }\n"};
 }  // namespace
 
-TEST_CASE("backends: every backend of this build is registered in order and the default device is one of them", "[backends]") {
+TEST_CASE("backends: every backend of this build is registered in order and the default device is one of them", "[backends][host]") {
   const auto types = Device.backends();
   REQUIRE(types.size() >= build_backends().size());
   for (std::size_t i = 0; i < build_backends().size(); ++i) CHECK(types[i] == build_backends()[i].type);

@@ -31,7 +31,7 @@ struct Twin {
   }
   void check_equal() const {
     for (std::size_t i = 0; i < graph.size(); ++i) {
-      HostBytes g = graph[i].as_buffer(), e = eager[i].as_buffer();
+      HostBytes g = graph[i].as_buffer(true), e = eager[i].as_buffer(true);
       INFO("buffer " << i);
       REQUIRE(std::equal(g.bytes().begin(), g.bytes().end(), e.bytes().begin()));
     }
@@ -63,7 +63,7 @@ GraphBuffer in(std::size_t i) { return GraphBuffer::in(i); }
 }  // namespace
 
 TEST_CASE("graph: write-after-write - read-then-write and write-then-read replay as eager", "[graph]") {
-  for_each_backend(Needs{.kernels = true}, [](Compiled& dev) {
+  for_each_backend(Needs{.kernels = true, .native_graphs = true}, [](Compiled& dev) {
     const std::size_t n = 1000;
     auto add = dev.load_kernel("add", kernels::add_f32(dev.source_language()));
     auto scale = dev.load_kernel("scale", kScale.for_device(dev));
@@ -87,7 +87,7 @@ TEST_CASE("graph: write-after-write - read-then-write and write-then-read replay
 }
 
 TEST_CASE("graph: copies - offsets - fixed buffers and two graphs", "[graph]") {
-  for_each_backend(Needs{.kernels = true}, [](Compiled& dev) {
+  for_each_backend(Needs{.kernels = true, .native_graphs = true}, [](Compiled& dev) {
     const std::size_t n = 512;
     auto add = dev.load_kernel("add", kernels::add_f32(dev.source_language()));
     const GraphValue count = GraphValue::of(static_cast<std::int32_t>(n));
@@ -114,7 +114,7 @@ TEST_CASE("graph: copies - offsets - fixed buffers and two graphs", "[graph]") {
       };
       native->replay(views(base_g), {}, true);
       eager->replay(views(base_e), {}, true);
-      HostBytes g = base_g.as_buffer(), e = base_e.as_buffer();
+      HostBytes g = base_g.as_buffer(true), e = base_e.as_buffer(true);
       REQUIRE(std::equal(g.bytes().begin(), g.bytes().end(), e.bytes().begin()));
     }
     // Two graphs over the same buffers, replayed alternately, with a fixed buffer in one.

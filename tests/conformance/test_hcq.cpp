@@ -28,7 +28,7 @@ TEST_CASE("hcq: a wait on a value set late times out first then succeeds", "[hcq
     waiter.join();
     CHECK(s.value() == want + 5);
     dev.free_signal(s);
-  });
+  }, Needs{});
 }
 
 TEST_CASE("hcq: queued waits hold later commands until the signal arrives", "[hcq]") {
@@ -40,7 +40,7 @@ TEST_CASE("hcq: queued waits hold later commands until the signal arrives", "[hc
     gate.set(7);
     done.wait(1, 5000ms);
     CHECK(done.value() == 1);
-  });
+  }, Needs{});
 }
 
 TEST_CASE("hcq: update_signal and update_wait patch a recorded queue - which resubmits", "[hcq]") {
@@ -63,7 +63,7 @@ TEST_CASE("hcq: update_signal and update_wait patch a recorded queue - which res
       q.update_signal(1, std::nullopt, 21 + i).submit(dev);
       b.wait(21 + i, 5000ms);
     }
-  });
+  }, Needs{});
 }
 
 TEST_CASE("hcq: one exec and two kernels ping-ponged 100 times giving 200", "[hcq]") {
@@ -147,7 +147,7 @@ TEST_CASE("hcq: copies of 8 bytes and 64 MiB and with updated addresses", "[hcq]
       dev.synchronize();
       CHECK(std::equal(data.begin(), data.end(), dst2.as_buffer(true).bytes().begin()));
     }
-  });
+  }, Needs{});
 }
 
 TEST_CASE("hcq: a signal waited on by another device", "[hcq]") {
@@ -162,7 +162,7 @@ TEST_CASE("hcq: a signal waited on by another device", "[hcq]") {
     dev.compute_queue().signal(from_first, 3).submit(dev);
     done.wait(1, 5000ms);
     CHECK(done.value() == 1);
-  });
+  }, Needs{});
 }
 
 TEST_CASE("hcq: timestamps are positive and ordered", "[hcq]") {
@@ -230,7 +230,7 @@ TEST_CASE("hcq: staging-ring copyin of 1 B - 2 MiB-1 - 2 MiB+1 and 64 MiB+3", "[
       CHECK(back == random_bytes(size, seed + size));
     }
     hcq_allocator(dev).set_force_staging(false);
-  });
+  }, Needs{});
 }
 
 TEST_CASE("hcq: transfer between two devices is ordered on both timelines", "[hcq]") {
@@ -249,7 +249,7 @@ TEST_CASE("hcq: transfer between two devices is ordered on both timelines", "[hc
     CHECK(back == data);
     CHECK_THROWS_AS(Allocator::transfer(dst.allocation(), src.allocation(), data.size() + 1, src_dev, *dst_dev),
                     InvalidArgument);
-  });
+  }, Needs{});
 }
 
 TEST_CASE("hcq: bad input is an error before anything is queued", "[hcq]") {
@@ -410,7 +410,7 @@ TEST_CASE("hcq: a signal freed while work is in flight is dead at once - freeing
     fresh.wait(9, std::chrono::milliseconds::max());  // "forever" does not overflow
     dev.free_signal(fresh);
     dev.free_signal(gate);
-  });
+  }, Needs{});
 }
 
 TEST_CASE("hcq: more bad input: foreign programs in graphs - missing or oversized kernargs", "[hcq]") {
@@ -451,7 +451,7 @@ TEST_CASE("hcq: transfer within one device and a custom staging ring shape", "[h
     CHECK(hcq_allocator(dev).staging_batch_count() == 3);
     allocator.set_staging_shape(allocator.kDefaultBatchSize, 4);
     CHECK_THROWS_AS(hcq_allocator(dev).set_staging_shape(0, 4), InvalidArgument);
-  });
+  }, Needs{});
 }
 
 TEST_CASE("hcq: a signal freed on one device is not reused while another device's queue uses it", "[hcq]") {
@@ -478,7 +478,7 @@ TEST_CASE("hcq: a signal freed on one device is not reused while another device'
       CHECK(s.value() == 0);  // nobody's write landed in a reused slot
       first.free_signal(s);
     }
-  });
+  }, Needs{});
 }
 
 TEST_CASE("hcq: a queued exec with the wrong number of values is rejected", "[hcq]") {

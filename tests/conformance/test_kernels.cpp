@@ -261,7 +261,7 @@ TEST_CASE("kernels: a kernel on views reads and writes the base at the offsets",
     const std::int32_t vals[] = {static_cast<std::int32_t>(n)};
     (*prg)(bufs, vals);
     HostBytes all = base.as_buffer(true);
-    CHECK(all.is_zero_copy());
+    if (dev.capabilities().host_visible_memory) CHECK(all.is_zero_copy());
     for (std::size_t i = 0; i < n; ++i) REQUIRE(all.as<float>()[2 * n + i] == data[i] + data[n + i]);
   });
 }

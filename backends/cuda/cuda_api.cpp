@@ -1,0 +1,157 @@
+#include "cuda_api.hpp"
+
+#include <dlfcn.h>
+#include <fmt/format.h>
+
+#include <mutex>
+#include <vector>
+
+#include "tinydev/config.hpp"
+#include "tinydev/counters.hpp"
+#include "tinydev/error.hpp"
+
+namespace tinydev::cuda {
+
+namespace {
+
+// The symbol a name resolves to after the headers' macros: cuMemAlloc -> "cuMemAlloc_v2".
+#define TINYDEV_CUDA_STR2(x) #x
+#define TINYDEV_CUDA_SYMBOL(x) TINYDEV_CUDA_STR2(x)
+
+// Opens the first library of `candidates` that loads; "" and the dlerror of each try otherwise.
+void* open_first(const std::vector<std::string>& candidates, std::string& opened, std::string& errors) {
+  for (const std::string& name : candidates) {
+    if (void* handle = ::dlopen(name.c_str(), RTLD_NOW | RTLD_LOCAL)) {
+      opened = name;
+      return handle;
+    }
+    const char* why = ::dlerror();  // names the file itself
+    errors += fmt::format("\n  {}", why ? std::string(why) : name + ": not found");
+  }
+  return nullptr;
+}
+
+// Resolves every function of a table; the first missing one is named in the error.
+template <class Table>
+std::string resolve(void* handle, Table& table, std::string_view library);
+
+template <>
+std::string resolve(void* handle, Driver& d, std::string_view library) {
+#define TINYDEV_CUDA_RESOLVE(name)                                                                         \
+  d.name = reinterpret_cast<decltype(d.name)>(::dlsym(handle, TINYDEV_CUDA_SYMBOL(name)));                 \
+  if (!d.name)                                                                                             \
+    return fmt::format("{} has no {}: the driver is older than the CUDA 13 headers tinydev was built with; " \
+                       "update the NVIDIA driver",                                                         \
+                       library, TINYDEV_CUDA_SYMBOL(name));
+  TINYDEV_CUDA_DRIVER_FUNCTIONS(TINYDEV_CUDA_RESOLVE)
+#undef TINYDEV_CUDA_RESOLVE
+  return "";
+}
+
+template <>
+std::string resolve(void* handle, Nvrtc& n, std::string_view library) {
+#define TINYDEV_CUDA_RESOLVE(name)                                                        \
+  n.name = reinterpret_cast<decltype(n.name)>(::dlsym(handle, TINYDEV_CUDA_SYMBOL(name))); \
+  if (!n.name) return fmt::format("{} has no {}", library, TINYDEV_CUDA_SYMBOL(name));
+  TINYDEV_NVRTC_FUNCTIONS(TINYDEV_CUDA_RESOLVE)
+#undef TINYDEV_CUDA_RESOLVE
+  return "";
+}
+
+// Loaded once; a failure is not remembered, so a later call (after the driver is installed, or
+// TINYDEV_CUDA_DRIVER is changed) tries again, as the registry retries a failed open.
+struct DriverState {
+  std::mutex mutex;
+  bool loaded = false;
+  Driver driver;
+};
+
+struct NvrtcState {
+  std::mutex mutex;
+  bool loaded = false;
+  Nvrtc nvrtc;
+};
+
+}  // namespace
+
+std::string describe(CUresult result) {
+  const char* name = nullptr;
+  const char* text = nullptr;
+  try {
+    const Driver& d = driver();
+    d.cuGetErrorName(result, &name);
+    d.cuGetErrorString(result, &text);
+  } catch (const Error&) {
+  }
+  return fmt::format("{}: {}", name ? name : fmt::format("CUresult {}", static_cast<int>(result)),
+                     text ? text : "no description");
+}
+
+void check(CUresult result, std::string_view what, std::string_view device) {
+  if (result == CUDA_SUCCESS) [[likely]]
+    return;
+  if (result == CUDA_ERROR_OUT_OF_MEMORY)
+    throw OutOfMemory(fmt::format("{}: {} failed: {}", device, what, describe(result)));
+  throw Error(fmt::format("{}: {} failed: {}", device, what, describe(result)));
+}
+
+const Driver& driver() {
+  static DriverState* state = new DriverState;  // never destroyed: the driver outlives static destructors
+  std::lock_guard lock(state->mutex);
+  if (state->loaded) return state->driver;
+  const std::string configured = settings().cuda_driver;
+  std::string opened, errors;
+  void* handle = open_first(configured.empty() ? std::vector<std::string>{"libcuda.so.1"}
+                                               : std::vector<std::string>{configured},
+                            opened, errors);
+  if (!handle)
+    throw DeviceUnavailable(configured.empty()
+                                ? fmt::format("CUDA: no NVIDIA driver: libcuda.so.1 cannot be opened ({}): install the "
+                                              "NVIDIA driver, or set TINYDEV_CUDA_DRIVER to the driver library",
+                                              errors.substr(3))
+                                : fmt::format("CUDA: TINYDEV_CUDA_DRIVER='{}' cannot be opened ({})",
+                                              quote_for_message(configured), errors.substr(3)));
+  Driver loaded;
+  if (std::string missing = resolve(handle, loaded, opened); !missing.empty())
+    throw DeviceUnavailable("CUDA: " + missing);
+  loaded.path = opened;
+  if (const CUresult r = loaded.cuInit(0); r != CUDA_SUCCESS) {
+    const char* name = nullptr;
+    const char* text = nullptr;
+    loaded.cuGetErrorName(r, &name);
+    loaded.cuGetErrorString(r, &text);
+    throw DeviceUnavailable(fmt::format("CUDA: the driver ({}) did not initialize: cuInit: {}: {}{}", opened,
+                                        name ? name : "?", text ? text : "?",
+                                        r == CUDA_ERROR_NO_DEVICE ? " (this machine has no NVIDIA GPU, or "
+                                                                    "CUDA_VISIBLE_DEVICES hides them all)"
+                                                                  : ""));
+  }
+  loaded.cuDriverGetVersion(&loaded.version);
+  debug_log(1, "tinydev: CUDA driver {} from {}", loaded.version, opened);
+  state->driver = loaded;
+  state->loaded = true;
+  return state->driver;
+}
+
+const Nvrtc& nvrtc() {
+  static NvrtcState* state = new NvrtcState;
+  std::lock_guard lock(state->mutex);
+  if (state->loaded) return state->nvrtc;
+  std::string opened, errors;
+  void* handle = open_first({"libnvrtc.so.13", "libnvrtc.so.12", "/usr/local/cuda/lib64/libnvrtc.so.13",
+                             "/usr/local/cuda/lib64/libnvrtc.so.12"},
+                            opened, errors);
+  if (!handle)
+    throw DeviceUnavailable(fmt::format("CUDA: NVRTC cannot be opened ({}): install the CUDA toolkit's NVRTC (13 or 12)",
+                                        errors.substr(3)));
+  Nvrtc loaded;
+  if (std::string missing = resolve(handle, loaded, opened); !missing.empty())
+    throw DeviceUnavailable("CUDA: " + missing);
+  loaded.path = opened;
+  loaded.nvrtcVersion(&loaded.major, &loaded.minor);
+  state->nvrtc = loaded;
+  state->loaded = true;
+  return state->nvrtc;
+}
+
+}  // namespace tinydev::cuda

@@ -1,0 +1,111 @@
+// backends/cuda/cuda_api.hpp: the CUDA driver API and NVRTC, opened with dlopen at run time (Note
+// [CUDA at run time]). The only header of tinydev that includes cuda.h and nvrtc.h; only the CUDA
+// backend's sources include it, and they use the headers for types only: nothing links libcuda or
+// its stub.
+//
+// Note [CUDA at run time]
+// A program linked to libcuda's stub does not even start on a machine without a driver, and a
+// library that embedders link statically must not make their program need a GPU. So libcuda.so.1
+// (or the file TINYDEV_CUDA_DRIVER names, e.g. a fake driver for tests) and libnvrtc (13, then 12)
+// are opened on first use and every function is resolved from one declarative table. The table
+// takes the versioned names the CUDA 13 headers select (`cuMemAlloc` is `cuMemAlloc_v2`):
+// stringizing the macro-expanded name gives the symbol, and `decltype(&::name)` gives its type, so
+// the types stay the headers' own.
+//
+// Ownership: the loaded libraries are never closed (the driver may still run exit handlers).
+// Thread safety: loading is serialized and happens once it succeeds (a failure is retried by the
+// next call); the tables are immutable afterwards.
+#pragma once
+
+#include <cuda.h>
+#include <nvrtc.h>
+
+#include <string>
+#include <string_view>
+
+namespace tinydev::cuda {
+
+// Every driver function the backend calls. Adding one here is all it takes to use it.
+#define TINYDEV_CUDA_DRIVER_FUNCTIONS(X) \
+  X(cuInit)                              \
+  X(cuDriverGetVersion)                  \
+  X(cuGetErrorName)                      \
+  X(cuGetErrorString)                    \
+  X(cuDeviceGetCount)                    \
+  X(cuDeviceGet)                         \
+  X(cuDeviceGetName)                     \
+  X(cuDeviceGetAttribute)                \
+  X(cuDeviceTotalMem)                    \
+  X(cuDeviceCanAccessPeer)               \
+  X(cuDevicePrimaryCtxRetain)            \
+  X(cuDevicePrimaryCtxRelease)           \
+  X(cuCtxSetCurrent)                     \
+  X(cuCtxSynchronize)                    \
+  X(cuCtxEnablePeerAccess)               \
+  X(cuMemGetInfo)                        \
+  X(cuMemAlloc)                          \
+  X(cuMemFree)                           \
+  X(cuMemHostAlloc)                      \
+  X(cuMemFreeHost)                       \
+  X(cuMemcpyHtoD)                        \
+  X(cuMemcpyDtoH)                        \
+  X(cuMemcpyHtoDAsync)                   \
+  X(cuMemcpyDtoHAsync)                   \
+  X(cuMemcpyDtoDAsync)                   \
+  X(cuMemcpyPeerAsync)                   \
+  X(cuModuleLoadData)                    \
+  X(cuModuleUnload)                      \
+  X(cuModuleGetFunction)                 \
+  X(cuLaunchKernel)                      \
+  X(cuStreamCreate)                      \
+  X(cuStreamDestroy)                     \
+  X(cuStreamSynchronize)                 \
+  X(cuEventCreate)                       \
+  X(cuEventDestroy)                      \
+  X(cuEventRecord)                       \
+  X(cuEventSynchronize)                  \
+  X(cuEventElapsedTime)
+
+#define TINYDEV_NVRTC_FUNCTIONS(X) \
+  X(nvrtcVersion)                  \
+  X(nvrtcGetErrorString)           \
+  X(nvrtcCreateProgram)            \
+  X(nvrtcDestroyProgram)           \
+  X(nvrtcCompileProgram)           \
+  X(nvrtcGetProgramLogSize)        \
+  X(nvrtcGetProgramLog)            \
+  X(nvrtcGetPTXSize)               \
+  X(nvrtcGetPTX)                   \
+  X(nvrtcGetCUBINSize)             \
+  X(nvrtcGetCUBIN)
+
+struct Driver {
+#define TINYDEV_CUDA_MEMBER(name) decltype(&::name) name = nullptr;
+  TINYDEV_CUDA_DRIVER_FUNCTIONS(TINYDEV_CUDA_MEMBER)
+  std::string path;  // the library the functions came from
+  int version = 0;   // cuDriverGetVersion: 13000 for CUDA 13.0
+};
+
+struct Nvrtc {
+  TINYDEV_NVRTC_FUNCTIONS(TINYDEV_CUDA_MEMBER)
+#undef TINYDEV_CUDA_MEMBER
+  std::string path;
+  int major = 0, minor = 0;  // nvrtcVersion
+};
+
+// The driver, loaded and initialized (cuInit) once. Throws DeviceUnavailable saying which of these
+// it is: no driver library (no NVIDIA driver installed), a driver too old for a function the
+// backend needs (naming it), or cuInit failing (no GPU, a driver/kernel-module mismatch).
+const Driver& driver();
+
+// NVRTC, loaded once. Throws DeviceUnavailable when no libnvrtc 13 or 12 can be opened, or a
+// function is missing. Needs no GPU and no driver.
+const Nvrtc& nvrtc();
+
+// "CUDA_ERROR_OUT_OF_MEMORY: out of memory" for `result`, from the driver.
+std::string describe(CUresult result);
+
+// Throws Error("<device>: <what> failed: <name>: <string>") when result is not CUDA_SUCCESS.
+void check(CUresult result, std::string_view what, std::string_view device);
+
+}  // namespace tinydev::cuda

@@ -1,0 +1,100 @@
+#include "cuda_compiler.hpp"
+
+#include <fmt/format.h>
+
+#include <filesystem>
+#include <memory>
+#include <regex>
+
+#include "cuda_api.hpp"
+#include "tinydev/error.hpp"
+
+namespace tinydev::cuda {
+
+namespace {
+
+// Where the toolkit's headers are (cuda_fp16.h, cuda_bf16.h), for kernels that include them.
+std::vector<std::string> include_options() {
+  std::vector<std::string> out;
+  for (const char* dir : {"/usr/local/cuda/include", "/opt/cuda/include"})
+    if (std::error_code ec; std::filesystem::is_directory(dir, ec)) out.push_back(fmt::format("-I{}", dir));
+  return out;
+}
+
+// Destroys an NVRTC program on every path.
+struct ProgramGuard {
+  const Nvrtc& api;
+  nvrtcProgram program = nullptr;
+  ~ProgramGuard() {
+    if (program) api.nvrtcDestroyProgram(&program);
+  }
+};
+
+}  // namespace
+
+std::string arch_for(int major, int minor) { return fmt::format("sm_{}{}", major, minor); }
+
+CudaCompiler::CudaCompiler(std::string arch, bool ptx)
+    : Compiler(ptx ? "compile_cuda_ptx" : "compile_cuda"), arch_(std::move(arch)), ptx_(ptx) {
+  static const std::regex kArch("sm_[0-9]{2,3}[af]?");
+  if (!std::regex_match(arch_, kArch))
+    throw InvalidArgument(fmt::format("CUDA: '{}' is not a GPU architecture: pass sm_ and the compute capability, "
+                                      "e.g. sm_90 for 9.0",
+                                      quote_for_message(arch_)));
+  const Nvrtc& api = nvrtc();  // DeviceUnavailable when there is none
+  // PTX for the virtual architecture runs on this GPU and newer ones; CUBIN is this GPU's own code.
+  const std::string target = ptx_ ? "compute_" + arch_.substr(3) : arch_;
+  options_ = {fmt::format("--gpu-architecture={}", target)};
+  for (std::string& inc : include_options()) options_.push_back(std::move(inc));
+  identity_ = fmt::format("nvrtc {}.{} {} {} opts:{}", api.major, api.minor, target, ptx_ ? "ptx" : "cubin",
+                          fmt::join(options_, " "));
+}
+
+std::string CudaCompiler::nvrtc_version() const {
+  const Nvrtc& api = nvrtc();
+  return fmt::format("{}.{}", api.major, api.minor);
+}
+
+Blob CudaCompiler::compile(std::string_view source) {
+  const Nvrtc& api = nvrtc();
+  ProgramGuard guard{api};
+  const std::string src(source);  // NVRTC wants a NUL-terminated string
+  auto fail = [&](nvrtcResult r, std::string_view what) -> CompileError {
+    return CompileError(fmt::format("NVRTC: {} failed: {}", what, api.nvrtcGetErrorString(r)), "");
+  };
+  if (nvrtcResult r = api.nvrtcCreateProgram(&guard.program, src.c_str(), "kernel.cu", 0, nullptr, nullptr);
+      r != NVRTC_SUCCESS)
+    throw fail(r, "nvrtcCreateProgram");
+  std::vector<const char*> opts;
+  for (const std::string& o : options_) opts.push_back(o.c_str());
+  const nvrtcResult compiled = api.nvrtcCompileProgram(guard.program, static_cast<int>(opts.size()), opts.data());
+  std::size_t log_size = 0;
+  std::string log;
+  if (api.nvrtcGetProgramLogSize(guard.program, &log_size) == NVRTC_SUCCESS && log_size > 1) {
+    log.resize(log_size);
+    if (api.nvrtcGetProgramLog(guard.program, log.data()) != NVRTC_SUCCESS) log.clear();
+    while (!log.empty() && (log.back() == '\0' || log.back() == '\n')) log.pop_back();
+  }
+  if (compiled != NVRTC_SUCCESS)
+    throw CompileError(fmt::format("NVRTC could not compile the kernel for {} ({})", arch_,
+                                   api.nvrtcGetErrorString(compiled)),
+                       log);
+  std::size_t size = 0;
+  Blob out;
+  if (ptx_) {
+    if (nvrtcResult r = api.nvrtcGetPTXSize(guard.program, &size); r != NVRTC_SUCCESS) throw fail(r, "nvrtcGetPTXSize");
+    out.resize(size);
+    if (nvrtcResult r = api.nvrtcGetPTX(guard.program, reinterpret_cast<char*>(out.data())); r != NVRTC_SUCCESS)
+      throw fail(r, "nvrtcGetPTX");
+  } else {
+    if (nvrtcResult r = api.nvrtcGetCUBINSize(guard.program, &size); r != NVRTC_SUCCESS)
+      throw fail(r, "nvrtcGetCUBINSize");
+    out.resize(size);
+    if (nvrtcResult r = api.nvrtcGetCUBIN(guard.program, reinterpret_cast<char*>(out.data())); r != NVRTC_SUCCESS)
+      throw fail(r, "nvrtcGetCUBIN");
+  }
+  if (out.empty()) throw CompileError(fmt::format("NVRTC returned no {} for {}", ptx_ ? "PTX" : "CUBIN", arch_), log);
+  return out;
+}
+
+}  // namespace tinydev::cuda

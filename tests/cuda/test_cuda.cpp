@@ -1,0 +1,254 @@
+// The CUDA backend. The compiler tests need NVRTC only, so they run in CI on machines without a
+// GPU; the "cuda gpu:" tests skip, saying why, where no GPU opens. This binary links the CUDA
+// backend alone (no LLVM) and registers it itself.
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstring>
+
+#include "cuda_compiler.hpp"
+#include "demo_kernels.hpp"
+#include "support.hpp"
+
+namespace tinydev {
+std::unique_ptr<Compiled> open_cuda_device(const std::string& canonical_name);
+}
+
+using namespace tinydev;
+using namespace tinydev::testing;
+
+namespace {
+
+void register_cuda() {
+  static const bool once = [] {
+    Device.register_backend("CUDA", &open_cuda_device);
+    return true;
+  }();
+  (void)once;
+}
+
+// The first GPU, or nullptr after skip() saying why none opens here.
+Compiled* gpu() {
+  register_cuda();
+  try {
+    return &Device["CUDA"];
+  } catch (const DeviceUnavailable& e) {
+    skip(std::string("no CUDA device opens here: ") + e.what());
+    return nullptr;
+  }
+}
+
+std::uint16_t elf_machine(const Blob& blob) {
+  std::uint16_t machine = 0;
+  if (blob.size() >= 20) std::memcpy(&machine, blob.data() + 18, 2);
+  return machine;
+}
+
+std::string as_text(const Blob& blob) { return std::string(reinterpret_cast<const char*>(blob.data()), blob.size()); }
+
+// Kernels shaped like tinygrad's CUDA renderer output: extern "C", __launch_bounds__, restrict
+// pointers, half and bf16 through the toolkit's headers, shared memory and barriers.
+const char* kRendererStyle = R"(#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+extern "C" __global__ void __launch_bounds__(256) E_4096_4(half* __restrict__ data0, const float* __restrict__ data1) {
+  int gidx0 = blockIdx.x; int lidx0 = threadIdx.x;
+  int alu0 = (gidx0 * 256 + lidx0);
+  float val0 = *(data1 + alu0);
+  *(data0 + alu0) = __float2half(val0 * 2.0f);
+}
+extern "C" __global__ void __launch_bounds__(32) r_64_32(float* __restrict__ data0, const __nv_bfloat16* __restrict__ data1) {
+  __shared__ float temp0[32];
+  int gidx0 = blockIdx.x; int lidx0 = threadIdx.x;
+  float acc0 = 0.0f;
+  for (int ridx0 = 0; ridx0 < 8; ridx0++) acc0 += __bfloat162float(*(data1 + (gidx0 * 256 + lidx0 * 8 + ridx0)));
+  temp0[lidx0] = acc0;
+  __syncthreads();
+  if (lidx0 == 0) {
+    float acc1 = 0.0f;
+    for (int i = 0; i < 32; i++) acc1 += temp0[i];
+    *(data0 + gidx0) = acc1;
+  }
+}
+extern "C" __global__ void __launch_bounds__(256) r_16_16_16(float* __restrict__ c, const float* __restrict__ a, const float* __restrict__ b, int n) {
+  __shared__ float as[16][16]; __shared__ float bs[16][16];
+  int row = blockIdx.y * 16 + threadIdx.y, col = blockIdx.x * 16 + threadIdx.x;
+  float acc = 0.0f;
+  for (int t = 0; t < n; t += 16) {
+    as[threadIdx.y][threadIdx.x] = a[row * n + t + threadIdx.x];
+    bs[threadIdx.y][threadIdx.x] = b[(t + threadIdx.y) * n + col];
+    __syncthreads();
+    for (int k = 0; k < 16; k++) acc += as[threadIdx.y][k] * bs[k][threadIdx.x];
+    __syncthreads();
+  }
+  c[row * n + col] = acc;
+}
+)";
+
+}  // namespace
+
+TEST_CASE("cuda compiler: CUDA C++ compiles to CUBIN for sm_80 and sm_90 without a GPU", "[cuda]") {
+  const std::string src = kernels::add_f32(SourceLanguage::CUDA, "add_" + std::to_string(fresh_seed() % 100000));
+  cuda::CudaCompiler c80("sm_80", false), c90("sm_90", false);
+  const Blob b80 = c80.compile(src), b90 = c90.compile(src);
+  for (const Blob* b : {&b80, &b90}) {
+    REQUIRE(b->size() > 64);
+    CHECK(std::memcmp(b->data(), "\x7f" "ELF", 4) == 0);
+    CHECK(elf_machine(*b) == 190);  // EM_CUDA
+  }
+  CHECK(b80 != b90);
+  CHECK(c80.identity() != c90.identity());
+  CHECK_THAT(c90.identity(), Catch::Contains("nvrtc " + c90.nvrtc_version()) && Catch::Contains("sm_90"));
+  CHECK(c90.options().front() == "--gpu-architecture=sm_90");
+}
+
+TEST_CASE("cuda compiler: PTX mode emits PTX for the virtual architecture and caches apart from CUBIN", "[cuda]") {
+  const std::string name = "ptx_" + std::to_string(fresh_seed() % 100000);
+  cuda::CudaCompiler ptx("sm_90", true), cubin("sm_90", false);
+  const std::string text = as_text(ptx.compile(kernels::add_f32(SourceLanguage::CUDA, name)));
+  CHECK_THAT(text, Catch::Contains(".version") && Catch::Contains(".target sm_90") && Catch::Contains(name));
+  CHECK(ptx.options().front() == "--gpu-architecture=compute_90");
+  CHECK(ptx.identity() != cubin.identity());
+  CHECK(ptx.cache_key() != cubin.cache_key());
+}
+
+TEST_CASE("cuda compiler: invalid source is a CompileError carrying NVRTC's log", "[cuda]") {
+  const std::string missing = "undefined_function_" + std::to_string(fresh_seed() % 1000000);
+  cuda::CudaCompiler c("sm_90", false);
+  try {
+    c.compile("extern \"C\" __global__ void k(float* o) { o[0] = " + missing + "(); }\n");
+    FAIL("expected a CompileError");
+  } catch (const CompileError& e) {
+    CHECK_THAT(std::string(e.what()), Catch::Contains("NVRTC could not compile the kernel for sm_90"));
+    CHECK_THAT(e.log(), Catch::Contains(missing) && Catch::Contains("error"));
+  }
+}
+
+TEST_CASE("cuda compiler: a malformed architecture is InvalidArgument saying what to pass", "[cuda]") {
+  for (const char* arch : {"sm90", "sm_9", "compute_90", "sm_90;rm -rf", "", "sm_1000"}) {
+    INFO(arch);
+    CHECK_THROWS_WITH(cuda::CudaCompiler(arch, false), Catch::Contains("is not a GPU architecture"));
+  }
+  CHECK(cuda::arch_for(9, 0) == "sm_90");
+  CHECK_NOTHROW(cuda::CudaCompiler("sm_100a", false));
+}
+
+TEST_CASE("cuda compiler: compile_cached hits the disk cache from another process", "[cuda]") {
+  TempDir dir;
+  ScopedOverride folder("TINYDEV_CACHE_DIR", dir.str());
+  cuda::CudaCompiler c("sm_90", false);
+  const std::string src = kernels::add_f32(SourceLanguage::CUDA, "cached_" + std::to_string(fresh_seed() % 1000000));
+  const auto before = DiskCache::global().stats();
+  const Blob cold = c.compile_cached(src);
+  CHECK(DiskCache::global().stats().writes == before.writes + 1);
+  // A forked child with its memory layer dropped must read the entry from disk, compiling nothing.
+  const pid_t child = ::fork();
+  REQUIRE(child >= 0);
+  if (child == 0) {
+    int code = 1;
+    try {
+      DiskCache::global().drop_memory_layer();
+      ScopedOverride strict("TINYDEV_ASSERT_COMPILE", "1");
+      code = c.compile_cached(src) == cold && DiskCache::global().stats().disk_hits >= 1 ? 0 : 1;
+    } catch (...) {
+      code = 2;
+    }
+    ::_exit(code);
+  }
+  int status = 0;
+  REQUIRE(::waitpid(child, &status, 0) == child);
+  CHECK(WIFEXITED(status));
+  CHECK(WEXITSTATUS(status) == 0);
+}
+
+TEST_CASE("cuda compiler: kernels in the style of tinygrad's CUDA renderer compile (half and bf16 and shared memory)", "[cuda]") {
+  cuda::CudaCompiler c("sm_90", false);
+  const Blob blob = c.compile(kRendererStyle);
+  const std::string text = as_text(blob);
+  for (const char* kernel : {"E_4096_4", "r_64_32", "r_16_16_16"}) CHECK_THAT(text, Catch::Contains(kernel));
+}
+
+TEST_CASE("cuda: without a usable driver opening is DeviceUnavailable saying which and the default device moves on", "[cuda]") {
+  register_cuda();
+  try {
+    Device["CUDA"];
+    skip("a CUDA driver and GPU are present: the no-driver paths cannot be shown here");
+    return;
+  } catch (const DeviceUnavailable& e) {
+    INFO(e.what());
+    const std::string what = e.what();
+    CHECK((what.find("libcuda.so.1 cannot be opened") != std::string::npos ||
+           what.find("did not initialize") != std::string::npos));
+  }
+  {
+    ScopedOverride path("TINYDEV_CUDA_DRIVER", "/nonexistent/libcuda.so.1");
+    CHECK_THROWS_WITH(Device["CUDA:2"], Catch::Contains("TINYDEV_CUDA_DRIVER='/nonexistent/libcuda.so.1' cannot be opened"));
+  }
+  {
+    // A library that is not a driver: the first missing function is named.
+    ScopedOverride path("TINYDEV_CUDA_DRIVER", "libm.so.6");
+    CHECK_THROWS_WITH(Device["CUDA:2"], Catch::Contains("libm.so.6 has no cuInit") && Catch::Contains("update the NVIDIA driver"));
+  }
+  ScopedOverride unset("TINYDEV_DEVICE", std::nullopt);
+  CHECK_THROWS_WITH(Device.default_device(), Catch::Contains("CUDA"));
+}
+
+TEST_CASE("cuda gpu: add on random data matches the CPU reference with grids and one thread", "[cuda][gpu]") {
+  Compiled* dev = gpu();
+  if (!dev) return;
+  const std::uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  const std::size_t n = (1u << 20) + 7;
+  auto a = random_floats(n, seed), b = random_floats(n, seed + 1);
+  Buffer ba(dev->name(), n, dtypes::float32), bb(dev->name(), n, dtypes::float32), bo(dev->name(), n, dtypes::float32);
+  ba.allocate().copyin(std::span<const float>(a));
+  bb.allocate().copyin(std::span<const float>(b));
+  bo.allocate();
+  auto add = dev->load_kernel("add", kernels::add_f32(SourceLanguage::CUDA));
+  const Allocation bufs[] = {bo.allocation(), ba.allocation(), bb.allocation()};
+  const std::int32_t vals[] = {static_cast<std::int32_t>(n)};
+  const auto t = (*add)(bufs, vals, LaunchParams{.global = {static_cast<std::uint32_t>((n + 255) / 256), 1, 1},
+                                                 .local = {256, 1, 1},
+                                                 .wait = true});
+  REQUIRE(t.has_value());
+  CHECK(*t > 0.0);
+  std::vector<float> out(n);
+  bo.copyout(std::span<float>(out));
+  std::size_t wrong = 0;
+  for (std::size_t i = 0; i < n; ++i) wrong += out[i] != a[i] + b[i];
+  CHECK(wrong == 0);
+  // One thread (the default launch) walks the whole range too.
+  const std::int32_t small[] = {4096};
+  auto c = random_floats(4096, seed + 2);
+  ba.copyin(std::span<const float>(c));
+  (*add)(bufs, small);
+  dev->synchronize();
+  bo.copyout(std::span<float>(out));
+  for (std::size_t i = 0; i < 4096; ++i) REQUIRE(out[i] == c[i] + b[i]);
+}
+
+TEST_CASE("cuda gpu: bad blobs and missing kernels and zero grids are clear errors and the device keeps working", "[cuda][gpu]") {
+  Compiled* dev = gpu();
+  if (!dev) return;
+  CHECK_THROWS_WITH(dev->runtime().load("add", Blob(100, std::byte{7})), Catch::Contains("neither CUBIN"));
+  const Blob blob = dev->compiler().compile_cached(kernels::add_f32(SourceLanguage::CUDA));
+  CHECK_THROWS_WITH(dev->runtime().load("nope", blob), Catch::Contains("'nope' is not in the compiled module"));
+  auto add = dev->runtime().load("add", blob);
+  Buffer o(dev->name(), 4, dtypes::float32);
+  o.allocate();
+  const Allocation bufs[] = {o.allocation(), o.allocation(), o.allocation()};
+  const std::int32_t vals[] = {4};
+  CHECK_THROWS_WITH((*add)(bufs, vals, LaunchParams{.global = {0, 1, 1}}), Catch::Contains("zero"));
+  CHECK_NOTHROW((*add)(bufs, vals, LaunchParams{.wait = true}));
+}
+
+TEST_CASE("cuda gpu: an allocation larger than the GPU is OutOfMemory and the device keeps working", "[cuda][gpu]") {
+  Compiled* dev = gpu();
+  if (!dev) return;
+  CHECK_THROWS_AS(dev->allocator().alloc(std::size_t{1} << 50), OutOfMemory);
+  const auto data = random_bytes(1 << 16, fresh_seed());
+  Buffer b(dev->name(), data.size(), dtypes::uint8);
+  b.allocate().copyin(data);
+  std::vector<std::byte> back(data.size());
+  b.copyout(back);
+  CHECK(back == data);
+}
