@@ -217,13 +217,19 @@ TEST_CASE("cuda gpu: add on random data matches the CPU reference with grids and
   for (std::size_t i = 0; i < n; ++i) wrong += out[i] != a[i] + b[i];
   CHECK(wrong == 0);
   // One thread (the default launch) walks the whole range too.
-  const std::int32_t small[] = {4096};
-  auto c = random_floats(4096, seed + 2);
-  ba.copyin(std::span<const float>(c));
-  (*add)(bufs, small);
+  const std::size_t m = 4096;
+  auto c = random_floats(m, seed + 2), d = random_floats(m, seed + 3);
+  Buffer bc(dev->name(), m, dtypes::float32), bd(dev->name(), m, dtypes::float32), be(dev->name(), m, dtypes::float32);
+  bc.allocate().copyin(std::span<const float>(c));
+  bd.allocate().copyin(std::span<const float>(d));
+  be.allocate();
+  const Allocation small_bufs[] = {be.allocation(), bc.allocation(), bd.allocation()};
+  const std::int32_t small[] = {static_cast<std::int32_t>(m)};
+  (*add)(small_bufs, small);
   dev->synchronize();
-  bo.copyout(std::span<float>(out));
-  for (std::size_t i = 0; i < 4096; ++i) REQUIRE(out[i] == c[i] + b[i]);
+  std::vector<float> small_out(m);
+  be.copyout(std::span<float>(small_out));
+  for (std::size_t i = 0; i < m; ++i) REQUIRE(small_out[i] == c[i] + d[i]);
 }
 
 TEST_CASE("cuda gpu: bad blobs and missing kernels and zero grids are clear errors and the device keeps working", "[cuda][gpu]") {
@@ -251,4 +257,129 @@ TEST_CASE("cuda gpu: an allocation larger than the GPU is OutOfMemory and the de
   std::vector<std::byte> back(data.size());
   b.copyout(back);
   CHECK(back == data);
+}
+
+// ---- against the fake driver (tests/cuda/fake_driver): the paths a GPU rarely shows ---------------
+
+namespace {
+
+// Sets an environment variable the fake driver reads (not a TINYDEV_* setting) for a scope.
+struct FakeEnv {
+  std::string name;
+  FakeEnv(std::string n, const std::string& value) : name(std::move(n)) { ::setenv(name.c_str(), value.c_str(), 1); }
+  ~FakeEnv() { ::unsetenv(name.c_str()); }
+};
+
+// The first fake GPU, or nullptr after skip() when the driver in use is not the fake.
+Compiled* fake_gpu() {
+  Compiled* dev = gpu();
+  if (dev && dev->properties().at("gpu").find("tinydev fake GPU") == std::string::npos) {
+    skip("these tests need the fake driver (TINYDEV_CUDA_DRIVER=libtinydev_fake_cuda.so), not a real GPU");
+    return nullptr;
+  }
+  return dev;
+}
+
+}  // namespace
+
+TEST_CASE("cuda fake: properties name the GPU and its compute capability and the compiler targets it", "[cuda][fake]") {
+  Compiled* dev = fake_gpu();
+  if (!dev) return;
+  const auto props = dev->properties();
+  CHECK(props.at("compute capability") == "9.0");
+  CHECK(props.at("64-bit stream memory operations") == "yes");
+  CHECK_THAT(props.at("compiler"), Catch::Contains("CUBIN for sm_90"));
+  CHECK(dev->source_language() == SourceLanguage::CUDA);
+  const DeviceCapabilities caps = dev->capabilities();
+  CHECK(caps.runs_kernels);
+  CHECK(caps.caches_compiles);
+  CHECK_FALSE(caps.host_visible_memory);
+}
+
+TEST_CASE("cuda fake: out of device memory frees the LRU cache and retries once", "[cuda][fake]") {
+  Compiled* dev = fake_gpu();
+  if (!dev) return;
+  // The fake GPU has 256 MiB (FAKE_CUDA_MEMORY unset). Three 64 MiB allocations freed into the
+  // cache still hold their memory; a 128 MiB one then fits only once the cache is given back.
+  constexpr std::size_t k64 = 64u << 20;
+  auto& lru = dynamic_cast<LRUAllocator&>(dev->allocator());
+  const auto before = lru.stats();
+  std::vector<Allocation> held;
+  for (int i = 0; i < 3; ++i) held.push_back(dev->allocator().alloc(k64));
+  for (const Allocation& a : held) dev->allocator().free(a, k64);
+  const Allocation big = dev->allocator().alloc(2 * k64);
+  CHECK(lru.stats().oom_retries == before.oom_retries + 1);
+  // Nothing fits a request past the whole GPU, even with the cache empty: OutOfMemory.
+  CHECK_THROWS_AS(dev->allocator().alloc(std::size_t{1} << 30), OutOfMemory);
+  const auto data = random_bytes(1 << 12, fresh_seed());
+  dev->allocator().copyin(big, data);
+  std::vector<std::byte> back(data.size());
+  dev->allocator().copyout(back, big);
+  CHECK(back == data);
+  dev->allocator().free(big, 2 * k64);
+}
+
+TEST_CASE("cuda fake: a launch the driver fails is an Error naming the driver's error and the device keeps working", "[cuda][fake]") {
+  Compiled* dev = fake_gpu();
+  if (!dev) return;
+  auto add = dev->load_kernel("add", kernels::add_f32(SourceLanguage::CUDA));
+  const std::size_t n = 1000;
+  auto a = random_floats(n, fresh_seed());
+  Buffer ba(dev->name(), n, dtypes::float32), bo(dev->name(), n, dtypes::float32);
+  ba.allocate().copyin(std::span<const float>(a));
+  bo.allocate();
+  const Allocation bufs[] = {bo.allocation(), ba.allocation(), ba.allocation()};
+  const std::int32_t vals[] = {static_cast<std::int32_t>(n)};
+  {
+    FakeEnv fail("FAKE_CUDA_FAIL", "cuLaunchKernel=719");
+    CHECK_THROWS_WITH((*add)(bufs, vals), Catch::Contains("launching 'add' failed") &&
+                                              Catch::Contains("CUDA_ERROR_LAUNCH_FAILED"));
+  }
+  (*add)(bufs, vals);
+  std::vector<float> out(n);
+  bo.copyout(std::span<float>(out));
+  for (std::size_t i = 0; i < n; ++i) REQUIRE(out[i] == a[i] + a[i]);
+}
+
+TEST_CASE("cuda fake: a module the driver rejects is InvalidArgument with the driver's reason", "[cuda][fake]") {
+  Compiled* dev = fake_gpu();
+  if (!dev) return;
+  const Blob blob = dev->compiler().compile_cached(kernels::add_f32(SourceLanguage::CUDA));
+  {
+    FakeEnv fail("FAKE_CUDA_FAIL", "cuModuleLoadData=200");
+    CHECK_THROWS_WITH(dev->runtime().load("add", blob),
+                      Catch::Contains("could not load the module") && Catch::Contains("CUDA_ERROR_INVALID_IMAGE"));
+  }
+  CHECK(dev->runtime().load("add", blob)->name() == "add");
+}
+
+TEST_CASE("cuda fake: two GPUs are two devices with their own memory and an ordinal past them is DeviceUnavailable", "[cuda][fake]") {
+  Compiled* dev = fake_gpu();
+  if (!dev) return;
+  Compiled& second = Device["cuda:1"];
+  CHECK(&second != dev);
+  CHECK(second.name() == "CUDA:1");
+  const auto data = random_bytes(4096, fresh_seed());
+  Buffer one(dev->name(), data.size(), dtypes::uint8), two(second.name(), data.size(), dtypes::uint8);
+  one.allocate().copyin(data);
+  two.allocate().copyin(one.as_buffer(true).bytes());
+  std::vector<std::byte> back(data.size());
+  two.copyout(back);
+  CHECK(back == data);
+  CHECK_THROWS_WITH(Device["CUDA:5"], Catch::Contains("this machine has 2 CUDA devices (CUDA to CUDA:1)"));
+}
+
+TEST_CASE("cuda fake: cuInit failing is DeviceUnavailable saying there is no GPU", "[cuda][fake]") {
+  register_cuda();
+  FakeEnv fail("FAKE_CUDA_FAIL", "cuInit=100");
+  try {
+    Device["CUDA:1"];
+    skip("the driver was loaded before this test (run it alone, as ctest does)");
+  } catch (const DeviceUnavailable& e) {
+    const std::string what = e.what();
+    if (what.find("TINYDEV_CUDA_DRIVER") != std::string::npos || what.find("libcuda.so.1") != std::string::npos)
+      return skip("the fake driver is not in use: " + what);
+    CHECK_THAT(what, Catch::Contains("did not initialize") && Catch::Contains("CUDA_ERROR_NO_DEVICE") &&
+                         Catch::Contains("no NVIDIA GPU"));
+  }
 }
