@@ -18,6 +18,7 @@ namespace tinydev::testing {
 // `kernels` also needs a test kernel in the device's source language (KernelSource).
 struct Needs {
   bool kernels = false;  // runs_kernels, and the suite has kernels in the device's language
+  bool add_kernel = false;  // runs_kernels, and kernels::add_f32 exists in the device's language
   bool rejects_invalid_source = false;
   bool caches_compiles = false;
   bool checks_signatures = false;
@@ -33,6 +34,11 @@ inline bool has_test_kernels(SourceLanguage language) {
   return language == SourceLanguage::LLVMIR || language == SourceLanguage::C;
 }
 
+// Whether kernels::add_f32 (tools/demo_kernels.hpp) has the add kernel in `language`.
+inline bool has_add_kernel(SourceLanguage language) {
+  return has_test_kernels(language) || language == SourceLanguage::CUDA;
+}
+
 // Why `dev` cannot run a test with `needs`, or "" when it can.
 inline std::string unmet_needs(const Compiled& dev, const Needs& needs) {
   const DeviceCapabilities caps = dev.capabilities();
@@ -40,7 +46,10 @@ inline std::string unmet_needs(const Compiled& dev, const Needs& needs) {
   auto want = [&](bool needed, bool has, const char* what) {
     if (needed && !has) missing.emplace_back(what);
   };
-  want(needs.kernels, caps.runs_kernels, "programs that compute (runs_kernels)");
+  want(needs.kernels || needs.add_kernel, caps.runs_kernels, "programs that compute (runs_kernels)");
+  if (needs.add_kernel && caps.runs_kernels && !has_add_kernel(dev.source_language()))
+    missing.push_back("the add kernel in " + std::string(to_string(dev.source_language())) +
+                      " (add it to tools/demo_kernels.hpp)");
   if (needs.kernels && caps.runs_kernels && !has_test_kernels(dev.source_language()))
     missing.push_back("test kernels in " + std::string(to_string(dev.source_language())) +
                       " (add them to KernelSource in tests/conformance/conformance.hpp)");

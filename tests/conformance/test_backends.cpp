@@ -111,7 +111,7 @@ TEST_CASE("backends: launches with the wrong counts or an empty grid or too many
 }
 
 TEST_CASE("backends: wait returns the kernel's time and the counters move", "[backends]") {
-  for_each_backend(Needs{.kernels = true}, [](Compiled& dev) {
+  for_each_backend(Needs{.add_kernel = true}, [](Compiled& dev) {
     auto prg = dev.load_kernel("add", kernels::add_f32(dev.source_language()));
     const std::size_t n = 1 << 16;
     auto a = random_floats(n, fresh_seed());
@@ -136,7 +136,7 @@ TEST_CASE("backends: wait returns the kernel's time and the counters move", "[ba
 }
 
 TEST_CASE("backends: compile_cached with the real compiler: cache on and disabled and asserted", "[backends]") {
-  for_each_backend(Needs{.kernels = true, .caches_compiles = true}, [](Compiled& dev) {
+  for_each_backend(Needs{.add_kernel = true, .caches_compiles = true}, [](Compiled& dev) {
     TempDir dir;
     ScopedOverride folder("TINYDEV_CACHE_DIR", dir.str());
     const std::string src = kernels::add_f32(dev.source_language(), "add_" + std::to_string(fresh_seed() % 1000000));

@@ -130,7 +130,7 @@ std::uint16_t bf16_reference(double d) {
 }  // namespace
 
 TEST_CASE("kernels: add on random data matches the CPU reference", "[kernels]") {
-  for_each_backend(Needs{.kernels = true}, [](Compiled& dev) {
+  for_each_backend(Needs{.add_kernel = true}, [](Compiled& dev) {
     for (std::size_t n : {std::size_t{1}, std::size_t{1000}, std::size_t{1} << 20}) {
       const std::uint64_t seed = fresh_seed();
       INFO("n " << n << " seed " << seed);
@@ -246,7 +246,7 @@ TEST_CASE("kernels: half and bfloat16 conversions round to nearest even", "[kern
 }
 
 TEST_CASE("kernels: a kernel on views reads and writes the base at the offsets", "[kernels]") {
-  for_each_backend(Needs{.kernels = true}, [](Compiled& dev) {
+  for_each_backend(Needs{.add_kernel = true}, [](Compiled& dev) {
     const std::uint64_t seed = fresh_seed();
     INFO("seed " << seed);
     const std::size_t n = 1024;
@@ -396,7 +396,7 @@ void E_4_16(float* restrict data0, __bf16* restrict data1, const float* restrict
 }
 
 TEST_CASE("kernels: 8 threads compile and load and run concurrently on one device", "[kernels]") {
-  for_each_backend(Needs{.kernels = true}, [](Compiled& dev) {
+  for_each_backend(Needs{.add_kernel = true}, [](Compiled& dev) {
     const std::uint64_t seed = fresh_seed();
     std::atomic<int> wrong{0};
     std::vector<std::thread> threads;
