@@ -128,9 +128,10 @@ class CudaProgram final : public Program {
                      CU_LAUNCH_PARAM_END};
     state_->make_current();
     const auto launch = [&] {
-      check(state_->api.cuLaunchKernel(function_, g[0], g[1], g[2], l[0], l[1], l[2], 0, state_->stream, nullptr,
-                                       extra),
-            fmt::format("launching '{}'", name()), state_->name);
+      const CUresult r =
+          state_->api.cuLaunchKernel(function_, g[0], g[1], g[2], l[0], l[1], l[2], 0, state_->stream, nullptr, extra);
+      if (r != CUDA_SUCCESS) [[unlikely]]  // the message is only built for a failure: this is the hot path
+        check(r, fmt::format("launching '{}'", name()), state_->name);
     };
     const std::int64_t launched = GlobalCounters::kernel_count.fetch_add(1, std::memory_order_relaxed) + 1;
     if (!params.wait) {
