@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "cpu_hcq.hpp"
+#include "bench_support.hpp"
 #include "demo_kernels.hpp"
 #include "tinydev/hcq.hpp"
 #include "tinydev/tinydev.hpp"
@@ -31,25 +32,13 @@ using Clock = std::chrono::steady_clock;
 
 namespace {
 
-bool g_quick = false;
+using bench::fmt_ns;
+using bench::g_quick;
+using bench::ns_per_op;
 
 template <class T>
 void keep(T&& value) {
   asm volatile("" : : "g"(&value) : "memory");
-}
-
-// Median over batches of the time per operation, in nanoseconds.
-double ns_per_op(const std::function<void()>& op, std::size_t ops_per_batch, int batches = 15) {
-  if (g_quick) batches = std::min(batches, 5);
-  std::vector<double> samples;
-  op();  // warm up
-  for (int b = 0; b < batches; ++b) {
-    auto start = Clock::now();
-    for (std::size_t i = 0; i < ops_per_batch; ++i) op();
-    samples.push_back(std::chrono::duration<double, std::nano>(Clock::now() - start).count() / ops_per_batch);
-  }
-  std::nth_element(samples.begin(), samples.begin() + samples.size() / 2, samples.end());
-  return samples[samples.size() / 2];
 }
 
 struct Row {
@@ -57,12 +46,6 @@ struct Row {
   bool met;
 };
 std::vector<Row> g_rows;
-
-std::string fmt_ns(double ns) {
-  if (ns < 1e3) return fmt::format("{:.1f} ns", ns);
-  if (ns < 1e6) return fmt::format("{:.2f} us", ns / 1e3);
-  return fmt::format("{:.2f} ms", ns / 1e6);
-}
 
 void row(std::string what, std::string lib, std::string base, std::string ratio, std::string target, bool met) {
   fmt::print("  {:<50} {:>12} {:>12} {:>14}  {} {}\n", what, lib, base, ratio, target, met ? "(met)" : "(MISSED)");

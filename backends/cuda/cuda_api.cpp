@@ -72,19 +72,24 @@ struct NvrtcState {
   Nvrtc nvrtc;
 };
 
+// "CUDA_ERROR_NO_DEVICE: no CUDA-capable device is detected", from `api`'s own tables.
+std::string describe_with(const Driver& api, CUresult result) {
+  const char* name = nullptr;
+  const char* text = nullptr;
+  api.cuGetErrorName(result, &name);
+  api.cuGetErrorString(result, &text);
+  return fmt::format("{}: {}", name ? name : fmt::format("CUresult {}", static_cast<int>(result)),
+                     text ? text : "no description");
+}
+
 }  // namespace
 
 std::string describe(CUresult result) {
-  const char* name = nullptr;
-  const char* text = nullptr;
   try {
-    const Driver& d = driver();
-    d.cuGetErrorName(result, &name);
-    d.cuGetErrorString(result, &text);
+    return describe_with(driver(), result);
   } catch (const Error&) {
+    return fmt::format("CUresult {}", static_cast<int>(result));
   }
-  return fmt::format("{}: {}", name ? name : fmt::format("CUresult {}", static_cast<int>(result)),
-                     text ? text : "no description");
 }
 
 void check(CUresult result, std::string_view what, std::string_view device) {
@@ -116,12 +121,8 @@ const Driver& driver() {
     throw DeviceUnavailable("CUDA: " + missing);
   loaded.path = opened;
   if (const CUresult r = loaded.cuInit(0); r != CUDA_SUCCESS) {
-    const char* name = nullptr;
-    const char* text = nullptr;
-    loaded.cuGetErrorName(r, &name);
-    loaded.cuGetErrorString(r, &text);
-    throw DeviceUnavailable(fmt::format("CUDA: the driver ({}) did not initialize: cuInit: {}: {}{}", opened,
-                                        name ? name : "?", text ? text : "?",
+    throw DeviceUnavailable(fmt::format("CUDA: the driver ({}) did not initialize: cuInit: {}{}", opened,
+                                        describe_with(loaded, r),
                                         r == CUDA_ERROR_NO_DEVICE ? " (this machine has no NVIDIA GPU, or "
                                                                     "CUDA_VISIBLE_DEVICES hides them all)"
                                                                   : ""));

@@ -37,6 +37,7 @@ struct DeviceState {
   CUcontext context = nullptr;
   CUstream stream = nullptr;
   CUevent start = nullptr, end = nullptr;  // for timed launches, under `timing`
+  int major = 0, minor = 0;                // compute capability, read once at open
   std::mutex timing;
 
   // Driver calls act on the calling thread's current context.
@@ -226,6 +227,8 @@ std::shared_ptr<DeviceState> open_state(const std::string& name) {
                                         visible ? fmt::format("; CUDA_VISIBLE_DEVICES='{}'", visible) : std::string()));
   }
   check(api.cuDeviceGet(&state->device, ordinal), "cuDeviceGet", name);
+  state->major = attribute(*state, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, "compute capability");
+  state->minor = attribute(*state, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, "compute capability");
   check(api.cuDevicePrimaryCtxRetain(&state->context, state->device), "cuDevicePrimaryCtxRetain", name);
   try {
     state->make_current();
@@ -246,10 +249,7 @@ class CudaDevice final : public Compiled {
  public:
   CudaDevice(const std::string& name, std::shared_ptr<DeviceState> state)
       : Compiled(name, std::make_shared<CudaAllocator>(state),
-                 std::make_unique<CudaCompiler>(
-                     arch_for(attribute(*state, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, "compute capability"),
-                              attribute(*state, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, "compute capability")),
-                     settings().cuda_ptx),
+                 std::make_unique<CudaCompiler>(arch_for(state->major, state->minor), settings().cuda_ptx),
                  std::make_unique<CudaRuntime>(state), SourceLanguage::CUDA),
         state_(std::move(state)) {}
 
@@ -273,9 +273,7 @@ class CudaDevice final : public Compiled {
     state_->api.cuDeviceTotalMem(&memory, state_->device);
     const auto& compiler = static_cast<const CudaCompiler&>(this->compiler());
     props["gpu"] = gpu;
-    props["compute capability"] =
-        fmt::format("{}.{}", attribute(*state_, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, "compute capability"),
-                    attribute(*state_, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, "compute capability"));
+    props["compute capability"] = fmt::format("{}.{}", state_->major, state_->minor);
     props["memory"] = fmt::format("{:.1f} GiB", static_cast<double>(memory) / (1ull << 30));
     props["multiprocessors"] = std::to_string(attribute(*state_, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, "SMs"));
     props["64-bit stream memory operations"] =
