@@ -15,4 +15,37 @@ void fill_kernargs(const Program& program, const Kernargs& kernargs, std::span<c
   for (std::size_t i = 0; i < values.size(); ++i) kernargs.set_value(i, values[i]);
 }
 
+KernargsPages::KernargsPages(std::string device_name) : device_(std::move(device_name)) {
+  pages_.emplace_back(new std::byte[kPageBytes]);
+}
+
+Kernargs KernargsPages::alloc(std::uint32_t num_buffers, std::uint32_t num_values, std::uint64_t reached,
+                              std::uint64_t next_value) {
+  const std::size_t bytes = (Kernargs::bytes_for(num_buffers, num_values) + 15) / 16 * 16;
+  if (bytes > kPageBytes)
+    throw InvalidArgument(fmt::format("{}: {} bytes of kernel arguments do not fit a {}-byte kernargs page", device_,
+                                      bytes, kPageBytes));
+  if (next_ + bytes > kPageBytes) {
+    std::size_t next;
+    if (!retired_.empty() && retired_.front().second <= reached) {
+      next = retired_.front().first;
+      retired_.erase(retired_.begin());
+    } else {
+      pages_.emplace_back(new std::byte[kPageBytes]);
+      next = pages_.size() - 1;
+    }
+    // Tagged with the next value to be taken: covers work whose value is taken after this call.
+    retired_.emplace_back(page_, next_value);
+    page_ = next;
+    next_ = 0;
+  }
+  Kernargs k{pages_[page_].get() + next_, num_buffers, num_values};
+  next_ += bytes;
+  return k;
+}
+
+void KernargsPages::timeline_wrapped() noexcept {
+  for (auto& [page, tag] : retired_) tag = 0;
+}
+
 }  // namespace tinydev

@@ -9,6 +9,9 @@
 #include <climits>
 #include <cstring>
 #include <ctime>
+#include <memory>
+#include <new>
+#include <thread>
 
 #include "tinydev/error.hpp"
 
@@ -63,6 +66,30 @@ void wait_signal_slot(SignalSlot& slot, std::uint64_t wanted, std::chrono::nanos
   const auto deadline = timeout >= std::chrono::steady_clock::time_point::max() - now0
                             ? std::chrono::steady_clock::time_point::max()
                             : now0 + timeout;
+  const auto timed_out = [&] {
+    return Timeout(fmt::format(
+        "timed out after {} ms waiting for {} to reach {}: it is at {}. Is the queue that signals "
+        "it submitted, and not itself waiting on something that never comes?",
+        std::chrono::duration_cast<std::chrono::milliseconds>(timeout).count(),
+        handle ? handle->describe() : "a signal", wanted, slot.value.load()));
+  };
+  if (slot.polled) {
+    // Note [Polled signals]: spin for 50 us, then sleep 1, 2, 4 ... 1000 us between looks.
+    const auto spin_until = now0 + std::chrono::microseconds(50);
+    auto pause = std::chrono::microseconds(1);
+    while (true) {
+      if (slot.value.load(std::memory_order_acquire) >= wanted) return;
+      if (slot.poisoned.load(std::memory_order_acquire)) throw poisoned();
+      const auto now = std::chrono::steady_clock::now();
+      if (now >= deadline) throw timed_out();
+      if (now < spin_until) {
+        for (int i = 0; i < 64; ++i) detail::cpu_relax();
+        continue;
+      }
+      std::this_thread::sleep_for(std::min<std::chrono::nanoseconds>(pause, deadline - now));
+      pause = std::min(pause * 2, std::chrono::microseconds(1000));
+    }
+  }
   while (true) {
     slot.waiters.fetch_add(1, std::memory_order_seq_cst);
     const std::uint32_t seq = slot.wake_seq.load(std::memory_order_seq_cst);
@@ -73,11 +100,7 @@ void wait_signal_slot(SignalSlot& slot, std::uint64_t wanted, std::chrono::nanos
       slot.waiters.fetch_sub(1, std::memory_order_seq_cst);
       if (ready) return;
       if (poison) throw poisoned();
-      throw Timeout(fmt::format(
-          "timed out after {} ms waiting for {} to reach {}: it is at {}. Is the queue that signals "
-          "it submitted, and not itself waiting on something that never comes?",
-          std::chrono::duration_cast<std::chrono::milliseconds>(timeout).count(),
-          handle ? handle->describe() : "a signal", wanted, slot.value.load()));
+      throw timed_out();
     }
     futex_wait(&slot.wake_seq, seq, std::min<std::chrono::nanoseconds>(deadline - now, std::chrono::milliseconds(100)));
     slot.waiters.fetch_sub(1, std::memory_order_seq_cst);
@@ -120,11 +143,30 @@ std::string Signal::describe() const {
 
 // ---- SignalPool ---------------------------------------------------------------------------------
 
-SignalPool::SignalPool(std::string name)
-    : name_(std::move(name)), chunk_table_(new std::atomic<SignalSlot*>[kMaxChunks]) {
+namespace {
+SignalMemory host_signal_memory() {
+  return SignalMemory{
+      .allocate = [](std::size_t bytes) -> void* { return ::operator new(bytes, std::align_val_t{alignof(SignalSlot)}); },
+      .release = [](void* memory, std::size_t) { ::operator delete(memory, std::align_val_t{alignof(SignalSlot)}); },
+      .device_writes_without_wake = false};
+}
+}  // namespace
+
+SignalPool::SignalPool(std::string name) : SignalPool(std::move(name), host_signal_memory()) {}
+
+SignalPool::SignalPool(std::string name, SignalMemory memory)
+    : name_(std::move(name)), chunk_table_(new std::atomic<SignalSlot*>[kMaxChunks]), memory_(std::move(memory)) {
+  if (!memory_.allocate || !memory_.release)
+    throw InvalidArgument(fmt::format("signal pool '{}': SignalMemory needs both allocate and release", name_));
   for (std::size_t i = 0; i < kMaxChunks; ++i) chunk_table_[i].store(nullptr, std::memory_order_relaxed);
 }
-SignalPool::~SignalPool() = default;
+
+SignalPool::~SignalPool() {
+  for (SignalSlot* chunk : chunks_) {
+    std::destroy_n(chunk, kChunk);
+    memory_.release(chunk, kChunk * sizeof(SignalSlot));
+  }
+}
 
 Signal SignalPool::alloc(std::uint64_t initial) {
   std::lock_guard lock(mutex_);
@@ -133,8 +175,17 @@ Signal SignalPool::alloc(std::uint64_t initial) {
       throw OutOfMemory(fmt::format("{}'s signal pool is full ({} live signals): free signals you no longer use",
                                     name_, live_));
     const std::size_t capacity = capacity_.load(std::memory_order_relaxed);
-    chunks_.push_back(std::make_unique<SignalSlot[]>(kChunk));
-    chunk_table_[chunks_.size() - 1].store(chunks_.back().get(), std::memory_order_release);
+    void* memory = memory_.allocate(kChunk * sizeof(SignalSlot));
+    if (reinterpret_cast<std::uintptr_t>(memory) % alignof(SignalSlot) != 0) {
+      memory_.release(memory, kChunk * sizeof(SignalSlot));
+      throw InvalidArgument(fmt::format("signal pool '{}': its memory is not {}-byte aligned", name_,
+                                        alignof(SignalSlot)));
+    }
+    auto* chunk = static_cast<SignalSlot*>(memory);
+    std::uninitialized_default_construct_n(chunk, kChunk);
+    for (std::size_t i = 0; i < kChunk; ++i) chunk[i].polled = memory_.device_writes_without_wake ? 1 : 0;
+    chunks_.push_back(chunk);
+    chunk_table_[chunks_.size() - 1].store(chunk, std::memory_order_release);
     for (std::size_t i = kChunk; i-- > 0;) free_.push_back(static_cast<std::uint32_t>(capacity + i));
     capacity_.store(capacity + kChunk, std::memory_order_release);
   }

@@ -49,10 +49,8 @@ namespace tinydev::cuda {
   X(cuMemFreeHost)                       \
   X(cuMemcpyHtoD)                        \
   X(cuMemcpyDtoH)                        \
-  X(cuMemcpyHtoDAsync)                   \
-  X(cuMemcpyDtoHAsync)                   \
-  X(cuMemcpyDtoDAsync)                   \
-  X(cuMemcpyPeerAsync)                   \
+  X(cuMemcpyAsync)                       \
+  X(cuMemHostGetDevicePointer)           \
   X(cuModuleLoadData)                    \
   X(cuModuleUnload)                      \
   X(cuModuleGetFunction)                 \
@@ -60,6 +58,11 @@ namespace tinydev::cuda {
   X(cuStreamCreate)                      \
   X(cuStreamDestroy)                     \
   X(cuStreamSynchronize)                 \
+  X(cuStreamQuery)                       \
+  X(cuStreamWriteValue64)                \
+  X(cuStreamWaitValue64)                 \
+  X(cuStreamBatchMemOp)                  \
+  X(cuLaunchHostFunc)                    \
   X(cuEventCreate)                       \
   X(cuEventDestroy)                      \
   X(cuEventRecord)                       \

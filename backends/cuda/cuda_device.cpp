@@ -1,170 +1,236 @@
-// The CUDA backend's device: one retained primary context per GPU, device memory behind the LRU
-// cache, CUDA C++ compiled by NVRTC (cuda_compiler.cpp), modules loaded and kernels launched on
-// one stream per device. Everything goes through the driver table of cuda_api.hpp (Note [CUDA at
-// run time]): a build with this backend runs on machines without a GPU, where opening CUDA is a
-// DeviceUnavailable saying why and the default-device probe moves on.
-//
-// Not yet here (issue 8): the HCQ queues (streams with stream memory operations, signals in mapped
-// host memory), CUDA graphs, peer transfers, the staging ring with pinned slots.
+// The CUDA backend's device: one retained primary context per GPU, an HCQ device over two streams
+// (cuda_hcq.hpp, Note [CUDA queues]), device memory behind the LRU cache with a pinned staging
+// ring, CUDA C++ compiled by NVRTC (cuda_compiler.cpp). Everything goes through the driver table of
+// cuda_api.hpp (Note [CUDA at run time]): a build with this backend runs on machines without a
+// GPU, where opening CUDA is a DeviceUnavailable saying why and the default-device probe moves on.
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <array>
 #include <charconv>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 
 #include "cuda_api.hpp"
 #include "cuda_compiler.hpp"
+#include "cuda_hcq.hpp"
 #include "tinydev/config.hpp"
 #include "tinydev/counters.hpp"
 #include "tinydev/device.hpp"
 #include "tinydev/error.hpp"
+#include "tinydev/hcq_graph.hpp"
 #include "tinydev/profile.hpp"
 
 namespace tinydev {
 namespace cuda {
-namespace {
 
-// What every object of one device shares. Lives as long as the device (the process), and as long
-// as any Program or allocator that holds it.
+// What every object of one device shares. Lives as long as the device (the process).
 struct DeviceState {
   DeviceState(const Driver& api, std::string name) : api(api), name(std::move(name)) {}
   const Driver& api;
   std::string name;
+  int ordinal = 0;
   CUdevice device = 0;
   CUcontext context = nullptr;
-  CUstream stream = nullptr;
-  CUevent start = nullptr, end = nullptr;  // for timed launches, under `timing`
-  int major = 0, minor = 0;                // compute capability, read once at open
-  std::mutex timing;
+  CUstream compute = nullptr, copy = nullptr;  // non-blocking streams, one per lane
+  CUevent start = nullptr, end = nullptr;      // for timed direct launches
+  CUmodule timestamp_module = nullptr;
+  CUfunction timestamp = nullptr;  // tinydev_timestamp(u64*): stores %globaltimer
+  int major = 0, minor = 0;        // compute capability, read once at open
+  bool memops = false;             // CAN_USE_64_BIT_STREAM_MEM_OPS
+  std::atomic<bool> released{false};  // Note [CUDA at exit]
 
   // Driver calls act on the calling thread's current context.
-  void make_current() const { check(api.cuCtxSetCurrent(context), "cuCtxSetCurrent", name); }
+  void make_current() const {
+    if (released.load(std::memory_order_acquire))
+      throw Error(fmt::format("{}: the process is exiting and the device's context was released", name));
+    check(api.cuCtxSetCurrent(context), "cuCtxSetCurrent", name);
+  }
 };
 
-class CudaAllocator final : public LRUAllocator {
- public:
-  explicit CudaAllocator(std::shared_ptr<DeviceState> state) : state_(std::move(state)) {}
-  ~CudaAllocator() override { free_cache(); }
+namespace {
 
-  // Host -> device. The device's stream is a blocking stream, so this synchronous copy on the
-  // legacy stream is ordered after the kernels queued before it.
-  void copyin(Allocation dest, std::span<const std::byte> src) override {
-    detail::check_fits(src.size(), dest, "copyin", describe());
-    state_->make_current();
-    check(state_->api.cuMemcpyHtoD(dest.va_addr, src.data(), src.size()), "cuMemcpyHtoD", state_->name);
-  }
-  void copyout(std::span<std::byte> dest, Allocation src) override {
-    detail::check_fits(dest.size(), src, "copyout", describe());
-    state_->make_current();
-    check(state_->api.cuMemcpyDtoH(dest.data(), src.va_addr, dest.size()), "cuMemcpyDtoH", state_->name);
-  }
-  bool supports_offset() const noexcept override { return true; }
-  Allocation offset(Allocation base, std::size_t size, std::size_t offset) override {
-    return detail::sub_allocation(base, size, offset, describe());
-  }
-  std::string describe() const override { return fmt::format("{} allocator (device memory)", state_->name); }
+// ---- the shared signal pool -------------------------------------------------------------------
 
- protected:
-  Allocation alloc_impl(std::size_t size, const BufferOptions& options) override {
-    state_->make_current();
-    if (options.host) {
-      // Pinned, mapped into every context: what the staging ring and signals will use.
-      void* p = nullptr;
-      check(state_->api.cuMemHostAlloc(&p, size, CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP),
-            fmt::format("cuMemHostAlloc of {} bytes", size), state_->name);
-      return Allocation{reinterpret_cast<std::uintptr_t>(p), size, nullptr};
+// Note [CUDA signal memory]
+// Slots are pinned (the GPU writes them over PCIe without the driver paging anything), mapped
+// into every context (PORTABLE | DEVICEMAP), and under unified addressing their device address is
+// their host address, which is what a queue's commands use; a driver that maps them elsewhere is
+// refused at open.
+const std::shared_ptr<SignalPool>& shared_signal_pool(const std::shared_ptr<DeviceState>& first) {
+  static auto* pool = new std::shared_ptr<SignalPool>(std::make_shared<SignalPool>(
+      "CUDA", SignalMemory{.allocate =
+                               [state = first](std::size_t bytes) -> void* {
+                                 state->make_current();
+                                 void* p = nullptr;
+                                 check(state->api.cuMemHostAlloc(&p, bytes, CU_MEMHOSTALLOC_PORTABLE |
+                                                                               CU_MEMHOSTALLOC_DEVICEMAP),
+                                       fmt::format("cuMemHostAlloc of {} bytes for signals", bytes), state->name);
+                                 CUdeviceptr mapped = 0;
+                                 const CUresult r = state->api.cuMemHostGetDevicePointer(&mapped, p, 0);
+                                 if (r != CUDA_SUCCESS || mapped != reinterpret_cast<CUdeviceptr>(p)) {
+                                   state->api.cuMemFreeHost(p);
+                                   throw DeviceUnavailable(fmt::format(
+                                       "{}: signal memory is not mapped at its host address ({}): tinydev "
+                                       "needs unified addressing (a 64-bit process on a GPU that has it)",
+                                       state->name, r == CUDA_SUCCESS ? "mapped elsewhere" : describe(r)));
+                                 }
+                                 return p;
+                               },
+                           .release =
+                               [state = first](void* memory, std::size_t) {
+                                 if (!state->released.load()) state->api.cuMemFreeHost(memory);
+                               },
+                           .device_writes_without_wake = true}));
+  return *pool;
+}
+
+// The live CUDA devices (they share one signal pool), for signal_users_now and release at exit.
+struct LiveDevices {
+  std::mutex mutex;
+  std::vector<CudaHCQDevice*> devices;
+};
+LiveDevices& live_devices() {
+  static auto* live = new LiveDevices;  // never destroyed: devices outlive static destructors
+  return *live;
+}
+
+CudaHCQDevice& cuda_device(Compiled& device, std::string_view queue) {
+  auto* cuda = dynamic_cast<CudaHCQDevice*>(&device);
+  if (!cuda)
+    throw InvalidArgument(fmt::format("cannot submit a CUDA {} queue to {}: it runs on CUDA devices only", queue,
+                                      device.name()));
+  return *cuda;
+}
+
+template <class Queue>
+void check_pools(const Queue& queue, const CudaHCQDevice& device) {
+  for (const SignalPool* pool : queue.pools())
+    if (!device.can_reach(*pool))
+      throw InvalidArgument(fmt::format("cannot submit to {}: the queue uses a signal of pool '{}', which a GPU "
+                                        "cannot reach; use signals from a CUDA device's alloc_signal()",
+                                        device.name(), pool->name()));
+}
+
+// Errors after which the context is unusable (the driver returns them from every later call).
+bool sticky(CUresult r) {
+  switch (r) {
+    case CUDA_ERROR_ILLEGAL_ADDRESS:
+    case CUDA_ERROR_LAUNCH_FAILED:
+    case CUDA_ERROR_LAUNCH_TIMEOUT:
+    case CUDA_ERROR_ASSERT:
+    case CUDA_ERROR_HARDWARE_STACK_ERROR:
+    case CUDA_ERROR_ILLEGAL_INSTRUCTION:
+    case CUDA_ERROR_MISALIGNED_ADDRESS:
+    case CUDA_ERROR_INVALID_ADDRESS_SPACE:
+    case CUDA_ERROR_INVALID_PC:
+    case CUDA_ERROR_ECC_UNCORRECTABLE:
+      return true;
+    default:
+      return false;
+  }
+}
+
+// The fallback signal and wait (no 64-bit stream memory operations): host functions on the
+// stream. Each record is freed by the callback that consumes it.
+struct HostSignal {
+  SignalSlot* slot;
+  std::uint64_t value;
+};
+void CUDA_CB host_signal(void* data) {
+  auto* s = static_cast<HostSignal*>(data);
+  s->slot->store(s->value);
+  delete s;
+}
+void CUDA_CB host_wait(void* data) {
+  auto* s = static_cast<HostSignal*>(data);
+  while (s->slot->value.load(std::memory_order_acquire) < s->value && !s->slot->poisoned.load()) {
+    try {
+      wait_signal_slot(*s->slot, s->value, std::chrono::hours(1), nullptr);
+    } catch (const std::exception&) {
+      break;  // poisoned: let the stream go on; whoever waits downstream sees the poison
     }
-    CUdeviceptr p = 0;
-    check(state_->api.cuMemAlloc(&p, size), fmt::format("cuMemAlloc of {} bytes", size), state_->name);
-    return Allocation{static_cast<std::uintptr_t>(p), size, nullptr};
   }
-  void free_impl(Allocation allocation, std::size_t, const BufferOptions& options) override {
-    // Kernels queued earlier may still use the memory (the seed's allocator synchronizes too).
-    state_->make_current();
-    check(state_->api.cuCtxSynchronize(), "cuCtxSynchronize before a free", state_->name);
-    if (options.host) check(state_->api.cuMemFreeHost(allocation.host_ptr()), "cuMemFreeHost", state_->name);
-    else check(state_->api.cuMemFree(static_cast<CUdeviceptr>(allocation.va_addr)), "cuMemFree", state_->name);
-  }
+  delete s;
+}
 
- private:
-  std::shared_ptr<DeviceState> state_;
-};
+// tinydev_timestamp(u64* out): *out = %globaltimer (ns). PTX, so the driver JITs it for any GPU.
+constexpr char kTimestampPtx[] = R"(.version 8.0
+.target sm_75
+.address_size 64
+.visible .entry tinydev_timestamp(.param .u64 out)
+{
+  .reg .b64 %rd<3>;
+  ld.param.u64 %rd1, [out];
+  mov.u64 %rd2, %globaltimer;
+  st.volatile.u64 [%rd1], %rd2;
+  ret;
+}
+)";
 
 // The most bytes of packed arguments a launch takes (CUDA's own limit is 32 KiB of parameters).
 constexpr std::size_t kMaxArgumentBytes = 32 * 1024;
+// Note [CUDA queue depth]: past this many timeline values in flight, a submit first waits.
+constexpr std::uint64_t kMaxInFlight = 1000;
 
-class CudaProgram final : public Program {
- public:
-  CudaProgram(std::string name, std::shared_ptr<DeviceState> state, CUmodule module, CUfunction function)
-      : Program(std::move(name)), state_(std::move(state)), module_(module), function_(function) {}
-  ~CudaProgram() override {
-    if (state_->api.cuCtxSetCurrent(state_->context) == CUDA_SUCCESS) state_->api.cuModuleUnload(module_);
-  }
+CUresult launch(const DeviceState& s, CUfunction function, CUstream stream, const std::byte* args, std::size_t bytes,
+                Dim3 g, Dim3 l) {
+  void* extra[] = {CU_LAUNCH_PARAM_BUFFER_POINTER, const_cast<std::byte*>(args), CU_LAUNCH_PARAM_BUFFER_SIZE, &bytes,
+                   CU_LAUNCH_PARAM_END};
+  return s.api.cuLaunchKernel(function, g[0], g[1], g[2], l[0], l[1], l[2], 0, stream, nullptr, extra);
+}
 
-  // The arguments go in one packed buffer, as the seed's fill_kernargs lays them out (8-byte
-  // addresses, then 4-byte values), which is the kernel's own parameter layout for the kernel ABI.
-  // `global` is the grid (blocks) and `local` the block (threads), as in the seed.
-  std::optional<double> operator()(std::span<const Allocation> buffers, std::span<const std::int32_t> values,
-                                   const LaunchParams& params) override {
-    const Dim3& g = params.global;
-    const Dim3& l = params.local;
-    if (grid_size(g) == 0 || grid_size(l) == 0)
-      throw InvalidArgument(fmt::format("{} on {}: global size ({},{},{}) and local size ({},{},{}) may have no zero "
-                                        "dimension",
-                                        name(), state_->name, g[0], g[1], g[2], l[0], l[1], l[2]));
-    std::size_t size = buffers.size() * 8 + values.size() * 4;
-    if (size > kMaxArgumentBytes)
-      throw InvalidArgument(fmt::format("{} on {}: {} bytes of arguments is more than a CUDA launch takes ({})", name(),
-                                        state_->name, size, kMaxArgumentBytes));
-    std::array<std::byte, kMaxArgumentBytes> packed;
-    for (std::size_t i = 0; i < buffers.size(); ++i) {
-      const std::uint64_t address = buffers[i].va_addr;
-      std::memcpy(packed.data() + i * 8, &address, 8);
-    }
-    if (!values.empty()) std::memcpy(packed.data() + buffers.size() * 8, values.data(), values.size() * 4);
-    void* extra[] = {CU_LAUNCH_PARAM_BUFFER_POINTER, packed.data(), CU_LAUNCH_PARAM_BUFFER_SIZE, &size,
-                     CU_LAUNCH_PARAM_END};
-    state_->make_current();
-    const auto launch = [&] {
-      const CUresult r =
-          state_->api.cuLaunchKernel(function_, g[0], g[1], g[2], l[0], l[1], l[2], 0, state_->stream, nullptr, extra);
-      if (r != CUDA_SUCCESS) [[unlikely]]  // the message is only built for a failure: this is the hot path
-        check(r, fmt::format("launching '{}'", name()), state_->name);
-    };
-    const std::int64_t launched = GlobalCounters::kernel_count.fetch_add(1, std::memory_order_relaxed) + 1;
-    if (!params.wait) {
-      launch();
-      debug_log(2, "*** {:<7} {:>6} {:<40} arg {:>3}", state_->name, launched, name(), buffers.size() + values.size());
-      return std::nullopt;
-    }
-    std::lock_guard lock(state_->timing);
-    check(state_->api.cuEventRecord(state_->start, state_->stream), "cuEventRecord", state_->name);
-    launch();
-    check(state_->api.cuEventRecord(state_->end, state_->stream), "cuEventRecord", state_->name);
-    check(state_->api.cuEventSynchronize(state_->end), fmt::format("running '{}'", name()), state_->name);
-    float ms = 0;
-    check(state_->api.cuEventElapsedTime(&ms, state_->start, state_->end), "cuEventElapsedTime", state_->name);
-    const double seconds = ms / 1e3;
-    GlobalCounters::time_sum.fetch_add(seconds, std::memory_order_relaxed);
-    debug_log(2, "*** {:<7} {:>6} {:<40} arg {:>3} tm {:9.2f}us", state_->name, launched, name(),
-              buffers.size() + values.size(), seconds * 1e6);
-    return seconds;
-  }
+void check_sizes(const std::string& kernel, const std::string& device, Dim3 g, Dim3 l) {
+  if (grid_size(g) == 0 || grid_size(l) == 0)
+    throw InvalidArgument(fmt::format("{} on {}: global size ({},{},{}) and local size ({},{},{}) may have no zero "
+                                      "dimension",
+                                      kernel, device, g[0], g[1], g[2], l[0], l[1], l[2]));
+}
 
- private:
-  std::shared_ptr<DeviceState> state_;
-  CUmodule module_;
-  CUfunction function_;
-};
+}  // namespace
+
+// ---- programs ---------------------------------------------------------------------------------
+
+CudaProgram::CudaProgram(std::string name, CudaHCQDevice& device, void* module, void* function)
+    : Program(std::move(name)), device_(device), module_(module), function_(function) {}
+
+CudaProgram::~CudaProgram() {
+  const DeviceState& s = device_.state();
+  if (!s.released.load() && s.api.cuCtxSetCurrent(s.context) == CUDA_SUCCESS)
+    s.api.cuModuleUnload(static_cast<CUmodule>(module_));
+}
+
+const std::string& CudaProgram::device() const noexcept { return device_.name(); }
+
+// The arguments go in one packed buffer, as the seed's fill_kernargs lays them out (8-byte
+// addresses, then 4-byte values), which is the kernel's own parameter layout for the kernel ABI.
+std::optional<double> CudaProgram::operator()(std::span<const Allocation> buffers, std::span<const std::int32_t> values,
+                                              const LaunchParams& params) {
+  check_sizes(name(), device_.name(), params.global, params.local);
+  const std::size_t size = Kernargs::bytes_for(buffers.size(), values.size());
+  if (size > kMaxArgumentBytes)
+    throw InvalidArgument(fmt::format("{} on {}: {} bytes of arguments is more than a CUDA launch takes ({})", name(),
+                                      device_.name(), size, kMaxArgumentBytes));
+  std::array<std::byte, kMaxArgumentBytes> packed;
+  const Kernargs args{packed.data(), static_cast<std::uint32_t>(buffers.size()),
+                      static_cast<std::uint32_t>(values.size())};
+  for (std::size_t i = 0; i < buffers.size(); ++i) args.set_buffer(i, buffers[i].va_addr);
+  for (std::size_t i = 0; i < values.size(); ++i) args.set_value(i, values[i]);
+  return device_.launch_direct(*this, packed.data(), static_cast<std::uint32_t>(size), params.global, params.local,
+                               params.wait);
+}
 
 class CudaRuntime final : public Runtime {
  public:
-  explicit CudaRuntime(std::shared_ptr<DeviceState> state) : state_(std::move(state)) {}
+  explicit CudaRuntime(CudaHCQDevice& device) : device_(device) {}
 
   std::shared_ptr<Program> load(std::string_view kernel_name, std::span<const std::byte> blob) override {
+    const DeviceState& s = device_.state();
+    device_.throw_if_failed();
     // The blob may come from the compile cache: the driver gets only what looks like CUBIN (ELF),
     // a fatbin or PTX text, always NUL-terminated (PTX is read up to its NUL).
     static constexpr unsigned char kElf[] = {0x7f, 'E', 'L', 'F'};
@@ -176,34 +242,429 @@ class CudaRuntime final : public Runtime {
     if (!starts_with(kElf) && !starts_with(kFatbin) && text.find(".version") == std::string_view::npos)
       throw InvalidArgument(fmt::format("{}: the blob for kernel '{}' ({} bytes) is neither CUBIN, a fatbin nor PTX: "
                                         "pass what this device's compile() returned",
-                                        state_->name, quote_for_message(kernel_name), blob.size()));
+                                        s.name, quote_for_message(kernel_name), blob.size()));
     std::vector<std::byte> image(blob.begin(), blob.end());
     image.push_back(std::byte{0});
-    state_->make_current();
+    s.make_current();
     CUmodule module = nullptr;
-    if (const CUresult r = state_->api.cuModuleLoadData(&module, image.data()); r != CUDA_SUCCESS)
-      throw InvalidArgument(fmt::format("{}: the driver could not load the module of kernel '{}': {}", state_->name,
+    if (const CUresult r = s.api.cuModuleLoadData(&module, image.data()); r != CUDA_SUCCESS)
+      throw InvalidArgument(fmt::format("{}: the driver could not load the module of kernel '{}': {}", s.name,
                                         quote_for_message(kernel_name), describe(r)));
     CUfunction function = nullptr;
     const std::string name(kernel_name);
-    if (const CUresult r = state_->api.cuModuleGetFunction(&function, module, name.c_str()); r != CUDA_SUCCESS) {
-      state_->api.cuModuleUnload(module);
+    if (const CUresult r = s.api.cuModuleGetFunction(&function, module, name.c_str()); r != CUDA_SUCCESS) {
+      s.api.cuModuleUnload(module);
       throw InvalidArgument(fmt::format("{}: kernel '{}' is not in the compiled module ({}): check the kernel name, "
                                         "and that it is declared extern \"C\"",
-                                        state_->name, quote_for_message(kernel_name), describe(r)));
+                                        s.name, quote_for_message(kernel_name), describe(r)));
     }
-    return std::make_shared<CudaProgram>(name, state_, module, function);
+    return std::make_shared<CudaProgram>(name, device_, module, function);
   }
 
  private:
-  std::shared_ptr<DeviceState> state_;
+  CudaHCQDevice& device_;
 };
 
+// ---- queues -----------------------------------------------------------------------------------
+
+void CudaComputeQueue::_exec(const CudaProgram& program, const Kernargs& kernargs, Dim3 global, Dim3 local) {
+  check_sizes(program.name(), program.device(), global, local);
+  if (!kernargs.ptr && kernargs.size() != 0)
+    throw InvalidArgument(fmt::format("exec of '{}': the kernargs have no memory; allocate them with the "
+                                      "device's alloc_kernargs()",
+                                      program.name()));
+  if (kernargs.size() > kMaxArgumentBytes)
+    throw InvalidArgument(fmt::format("exec of '{}': {} bytes of arguments is more than a CUDA launch takes ({})",
+                                      program.name(), kernargs.size(), kMaxArgumentBytes));
+  mutable_commands().push_back(CudaCommand{.kind = CommandKind::exec, .program = &program, .kernargs = kernargs.ptr,
+                                           .kernarg_bytes = static_cast<std::uint32_t>(kernargs.size()),
+                                           .global = global, .local = local});
+}
+
+void CudaComputeQueue::_update_exec(std::size_t cmd, Dim3 global, Dim3 local) {
+  CudaCommand& c = *command_words(cmd);
+  check_sizes(c.program->name(), c.program->device(), global, local);
+  c.global = global;
+  c.local = local;
+}
+
+void CudaComputeQueue::_submit(Compiled& device) {
+  CudaHCQDevice& cuda = cuda_device(device, "compute");
+  check_pools(*this, cuda);
+  cuda.submit_commands(CudaLane::compute, *snapshot());
+}
+
+void CudaCopyQueue::_update_copy(std::size_t cmd, const std::optional<Allocation>& dest,
+                                 const std::optional<Allocation>& src) {
+  CudaCommand& c = *command_words(cmd);
+  check_copy(dest ? *dest : Allocation{0, c.size, nullptr}, src ? *src : Allocation{0, c.size, nullptr}, c.size);
+  if (dest) c.dest = dest->va_addr;
+  if (src) c.src = src->va_addr;
+}
+
+void CudaCopyQueue::_submit(Compiled& device) {
+  CudaHCQDevice& cuda = cuda_device(device, "copy");
+  check_pools(*this, cuda);
+  cuda.submit_commands(CudaLane::copy, *snapshot());
+}
+
+// ---- allocator --------------------------------------------------------------------------------
+
+CudaAllocator::CudaAllocator(CudaHCQDevice& device) : HCQAllocator<CudaHCQDevice>(device) {}
+
+CudaAllocator::~CudaAllocator() {
+  release_ring();
+  free_cache();
+}
+
+std::string CudaAllocator::describe() const { return fmt::format("{} allocator (device memory)", device_.name()); }
+
+Allocation CudaAllocator::alloc_impl(std::size_t size, const BufferOptions& options) {
+  const DeviceState& s = device_.state();
+  device_.throw_if_failed();
+  s.make_current();
+  if (options.host) {
+    // Pinned and mapped into every context: the staging ring's slots, zero-copy host buffers.
+    void* p = nullptr;
+    check(s.api.cuMemHostAlloc(&p, size, CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP),
+          fmt::format("cuMemHostAlloc of {} bytes", size), s.name);
+    return Allocation{reinterpret_cast<std::uintptr_t>(p), size, nullptr};
+  }
+  CUdeviceptr p = 0;
+  check(s.api.cuMemAlloc(&p, size), fmt::format("cuMemAlloc of {} bytes", size), s.name);
+  return Allocation{static_cast<std::uintptr_t>(p), size, nullptr};
+}
+
+void CudaAllocator::free_impl(Allocation allocation, std::size_t, const BufferOptions& options) {
+  const DeviceState& s = device_.state();
+  if (s.released.load()) return;  // at exit, the context (and its memory) is gone already
+  wait_before_free();  // queued work may still use the memory (the seed's allocators synchronize too)
+  s.make_current();
+  if (options.host) check(s.api.cuMemFreeHost(allocation.host_ptr()), "cuMemFreeHost", s.name);
+  else check(s.api.cuMemFree(static_cast<CUdeviceptr>(allocation.va_addr)), "cuMemFree", s.name);
+}
+
+// ---- the device -------------------------------------------------------------------------------
+
+CudaHCQDevice::CudaHCQDevice(const std::string& name, std::shared_ptr<DeviceState> state)
+    : HCQCompiled(name, std::make_shared<CudaAllocator>(*this),
+                  std::make_unique<CudaCompiler>(arch_for(state->major, state->minor), settings().cuda_ptx),
+                  std::make_unique<CudaRuntime>(*this), SourceLanguage::CUDA, shared_signal_pool(state)),
+      state_(std::move(state)),
+      kernargs_(name) {
+  // The clock: %globaltimer against the host's, taken around one timestamp (Note [CUDA queues]).
+  Signal probe = alloc_signal(0);
+  const std::uint64_t before = Profiler::now_ns();
+  compute_queue().timestamp(probe).signal(probe, 1).submit(*this);
+  probe.wait(1, std::chrono::seconds(30));
+  const std::uint64_t after = Profiler::now_ns();
+  clock_offset_ns_ = static_cast<std::int64_t>((before + after) / 2) - static_cast<std::int64_t>(probe.timestamp());
+  free_signal(probe);
+  // Last: a constructor that throws runs no destructor, and only the destructor unregisters.
+  LiveDevices& live = live_devices();
+  std::lock_guard lock(live.mutex);
+  live.devices.push_back(this);
+}
+
+CudaHCQDevice::~CudaHCQDevice() {
+  LiveDevices& live = live_devices();
+  std::lock_guard lock(live.mutex);
+  std::erase(live.devices, this);
+}
+
+bool CudaHCQDevice::can_reach(const SignalPool& pool) const noexcept { return &pool == &signal_pool(); }
+
+std::vector<CudaHCQDevice::TimelineMark> CudaHCQDevice::signal_users_now() const {
+  std::vector<TimelineMark> marks = HCQCompiled::signal_users_now();
+  LiveDevices& live = live_devices();
+  std::lock_guard lock(live.mutex);
+  for (const CudaHCQDevice* device : live.devices) {
+    if (device == this) continue;
+    auto own = device->HCQCompiled::signal_users_now();
+    marks.insert(marks.end(), own.begin(), own.end());
+  }
+  return marks;
+}
+
+std::uint64_t CudaHCQDevice::device_to_cpu_ns(std::uint64_t device_ns, bool) const {
+  return static_cast<std::uint64_t>(static_cast<std::int64_t>(device_ns) + clock_offset_ns_);
+}
+
+void CudaHCQDevice::fail(const std::string& reason) const {
+  // The first reason stays: it is the root cause. Waiters on the timeline wake with it.
+  timeline_signal().slot().poison(reason);
+}
+
+void CudaHCQDevice::throw_if_failed() const {
+  const SignalSlot& slot = timeline_signal().slot();
+  if (slot.poisoned.load(std::memory_order_acquire))
+    throw Error(fmt::format("{} failed earlier and cannot be used until the process restarts: {}", name(),
+                            std::string(slot.poison_reason, ::strnlen(slot.poison_reason, sizeof slot.poison_reason))));
+}
+
+void CudaHCQDevice::check_health() const {
+  if (state_->released.load()) return;
+  if (state_->api.cuCtxSetCurrent(state_->context) != CUDA_SUCCESS) return;
+  for (CUstream stream : {state_->compute, state_->copy}) {
+    const CUresult r = state_->api.cuStreamQuery(stream);
+    if (r != CUDA_SUCCESS && r != CUDA_ERROR_NOT_READY)
+      fail(fmt::format("{}: the GPU reported an error while running queued work: {}", name(), describe(r)));
+  }
+}
+
+void CudaHCQDevice::submit_commands(CudaLane lane, const std::vector<CudaCommand>& commands) {
+  std::lock_guard lock(submit_mutex());
+  throw_if_failed();
+  // Note [CUDA queue depth]: a producer far ahead of the GPU waits here, not in the driver (whose
+  // own queue, once full, blocks inside a launch with our submit mutex held).
+  const std::uint64_t reached = timeline_signal().slot().value.load(std::memory_order_acquire);
+  if (timeline_value() > reached + kMaxInFlight + 1) wait_timeline(timeline_value() - 1 - kMaxInFlight);
+  const DeviceState& s = *state_;
+  s.make_current();
+  CUstream stream = lane == CudaLane::compute ? s.compute : s.copy;
+  std::array<CUstreamBatchMemOpParams, 64> batch;
+  unsigned batched = 0;
+  std::size_t i = 0;
+  const auto issue = [&](CUresult r, std::string_view what) {
+    if (r == CUDA_SUCCESS) [[likely]]
+      return;
+    const std::string reason = fmt::format("{}: {} failed (command {} of a {} queue): {}", name(), what, i,
+                                           lane == CudaLane::compute ? "compute" : "copy", describe(r));
+    if (sticky(r)) fail(reason);
+    // Note [CUDA failures]: what this queue would still have signalled never comes.
+    for (std::size_t j = i; j < commands.size(); ++j)
+      if (commands[j].kind == CommandKind::signal) commands[j].slot->poison(reason);
+    if (r == CUDA_ERROR_OUT_OF_MEMORY) throw OutOfMemory(reason);
+    throw Error(reason);
+  };
+  // A one-thread kernel storing %globaltimer into the slot's timestamp (Note [CUDA queues]).
+  const auto timestamp = [&](SignalSlot* slot) {
+    const auto out = reinterpret_cast<std::uint64_t>(&slot->timestamp_ns);
+    return launch(s, s.timestamp, stream, reinterpret_cast<const std::byte*>(&out), sizeof out, {1, 1, 1}, {1, 1, 1});
+  };
+  const auto flush = [&] {
+    if (batched == 0) return;
+    const unsigned n = batched;
+    batched = 0;
+    issue(s.api.cuStreamBatchMemOp(stream, n, batch.data(), 0), "cuStreamBatchMemOp");
+  };
+  for (; i < commands.size(); ++i) {
+    const CudaCommand& c = commands[i];
+    switch (c.kind) {
+      case CommandKind::signal:
+      case CommandKind::wait: {
+        const auto address = reinterpret_cast<CUdeviceptr>(&c.slot->value);  // Note [CUDA signal memory]
+        if (!s.memops) {
+          flush();
+          auto* record = new HostSignal{c.slot, c.value};
+          const CUresult r =
+              s.api.cuLaunchHostFunc(stream, c.kind == CommandKind::signal ? &host_signal : &host_wait, record);
+          if (r != CUDA_SUCCESS) delete record;
+          issue(r, "cuLaunchHostFunc");
+          break;
+        }
+        if (batched == batch.size()) flush();
+        batch[batched] = {};
+        if (c.kind == CommandKind::signal) {
+          batch[batched].writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_64;
+          batch[batched].writeValue.address = address;
+          batch[batched].writeValue.value64 = c.value;
+          batch[batched].writeValue.flags = CU_STREAM_WRITE_VALUE_DEFAULT;
+        } else {
+          batch[batched].waitValue.operation = CU_STREAM_MEM_OP_WAIT_VALUE_64;
+          batch[batched].waitValue.address = address;
+          batch[batched].waitValue.value64 = c.value;
+          batch[batched].waitValue.flags = CU_STREAM_WAIT_VALUE_GEQ;
+        }
+        batched += 1;
+        break;
+      }
+      case CommandKind::timestamp:
+        flush();
+        issue(timestamp(c.slot), "launching the timestamp kernel");
+        break;
+      case CommandKind::memory_barrier:
+        break;  // work on a stream is ordered and its writes visible to what follows
+      case CommandKind::exec: {
+        flush();
+        // Profiling: the kernel's span from two timestamps around it, read at the next synchronize.
+        std::optional<ProfileRecord> span;
+        if (profiling()) [[unlikely]] {
+          span = ProfileRecord{alloc_signal(), alloc_signal(), c.program->name(), false};
+          issue(timestamp(&span->start.slot()), "launching the timestamp kernel");
+        }
+        const CUresult r = launch(s, static_cast<CUfunction>(c.program->function()), stream, c.kernargs,
+                                  c.kernarg_bytes, c.global, c.local);
+        if (r != CUDA_SUCCESS) [[unlikely]]
+          issue(r, fmt::format("launching '{}'", c.program->name()));
+        if (span) {
+          issue(timestamp(&span->end.slot()), "launching the timestamp kernel");
+          add_profile_record(std::move(*span));
+        }
+        const std::int64_t launched = GlobalCounters::kernel_count.fetch_add(1, std::memory_order_relaxed) + 1;
+        debug_log(2, "*** {:<7} {:>6} {:<40} (queued)", name(), launched, c.program->name());
+        break;
+      }
+      case CommandKind::copy:
+        flush();
+        issue(s.api.cuMemcpyAsync(static_cast<CUdeviceptr>(c.dest), static_cast<CUdeviceptr>(c.src), c.size, stream),
+              fmt::format("cuMemcpyAsync of {} bytes", c.size));
+        break;
+    }
+  }
+  flush();
+  // Which stream the timeline's newest value comes from (launch_direct's wait can be skipped when
+  // it is the compute stream, whose order already covers it).
+  for (auto it = commands.rbegin(); it != commands.rend(); ++it)
+    if (it->kind == CommandKind::signal && it->slot == &timeline_signal().slot()) {
+      last_signal_on_compute_ = lane == CudaLane::compute;
+      break;
+    }
+}
+
+std::optional<double> CudaHCQDevice::launch_direct(const CudaProgram& program, const std::byte* args,
+                                                   std::uint32_t bytes, Dim3 global, Dim3 local, bool timed) {
+  std::lock_guard lock(submit_mutex());
+  throw_if_failed();
+  const DeviceState& s = *state_;
+  const std::uint64_t value = next_timeline_value();
+  // The timeline value is taken: whatever happens, it is signalled (or the device has failed).
+  std::vector<CudaCommand> commands;
+  if (!last_signal_on_compute_) commands.push_back(CudaSignalPrimitives::wait(timeline_signal(), value - 1));
+  commands.push_back(CudaSignalPrimitives::signal(timeline_signal(), value));
+  const auto finish = [&] {
+    submit_commands(CudaLane::compute, commands);
+    last_signal_on_compute_ = true;
+  };
+  try {
+    if (commands.size() == 2) {
+      submit_commands(CudaLane::compute, {commands[0]});
+      commands.erase(commands.begin());
+    }
+    s.make_current();
+    if (timed) check(s.api.cuEventRecord(s.start, s.compute), "cuEventRecord", name());
+    if (const CUresult r = launch(s, static_cast<CUfunction>(program.function()), s.compute, args, bytes, global, local);
+        r != CUDA_SUCCESS) [[unlikely]] {
+      const std::string reason = fmt::format("{}: launching '{}' failed: {}", name(), program.name(), describe(r));
+      if (sticky(r)) fail(reason);
+      throw Error(reason);
+    }
+    if (timed) check(s.api.cuEventRecord(s.end, s.compute), "cuEventRecord", name());
+  } catch (...) {
+    // Nothing of this call runs: the timeline moves on (a non-sticky failure leaves the device usable).
+    if (!timeline_signal().slot().poisoned.load()) finish();
+    throw;
+  }
+  finish();
+  const std::int64_t launched = GlobalCounters::kernel_count.fetch_add(1, std::memory_order_relaxed) + 1;
+  if (!timed) {
+    debug_log(2, "*** {:<7} {:>6} {:<40} {:>4} B of arguments", name(), launched, program.name(), bytes);
+    return std::nullopt;
+  }
+  wait_timeline(value);
+  check(s.api.cuEventSynchronize(s.end), fmt::format("running '{}'", program.name()), name());
+  float ms = 0;
+  check(s.api.cuEventElapsedTime(&ms, s.start, s.end), "cuEventElapsedTime", name());
+  const double seconds = ms / 1e3;
+  GlobalCounters::time_sum.fetch_add(seconds, std::memory_order_relaxed);
+  debug_log(2, "*** {:<7} {:>6} {:<40} tm {:9.2f}us", name(), launched, program.name(), seconds * 1e6);
+  return seconds;
+}
+
+void CudaHCQDevice::prepare_transfer(CudaHCQDevice& dest) {
+  // Peer access, once per pair and both ways, where the GPUs allow it; otherwise the driver
+  // stages the copy through host memory (unified addressing makes cuMemcpyAsync do either).
+  static std::mutex mutex;
+  static std::set<std::pair<int, int>> enabled, refused;
+  const DeviceState& a = *state_;
+  const DeviceState& b = dest.state();
+  std::lock_guard lock(mutex);
+  const std::pair<int, int> pair = std::minmax(a.ordinal, b.ordinal);
+  if (!enabled.count(pair) && !refused.count(pair)) {
+    int ab = 0, ba = 0;
+    check(a.api.cuDeviceCanAccessPeer(&ab, a.device, b.device), "cuDeviceCanAccessPeer", name());
+    check(a.api.cuDeviceCanAccessPeer(&ba, b.device, a.device), "cuDeviceCanAccessPeer", name());
+    if (ab && ba) {
+      for (const auto& [from, to] : {std::pair{&a, &b}, std::pair{&b, &a}}) {
+        from->make_current();
+        const CUresult r = a.api.cuCtxEnablePeerAccess(to->context, 0);
+        if (r != CUDA_SUCCESS && r != CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED)
+          check(r, fmt::format("cuCtxEnablePeerAccess to {}", to->name), from->name);
+      }
+      enabled.insert(pair);
+    } else {
+      refused.insert(pair);
+    }
+  }
+  debug_log(2, "tinydev: transfer {} -> {}: {}", name(), dest.name(),
+            enabled.count(pair) ? "peer to peer" : "staged through host memory by the driver (no peer access)");
+}
+
+Kernargs CudaHCQDevice::alloc_kernargs(std::uint32_t num_buffers, std::uint32_t num_values) {
+  std::lock_guard lock(submit_mutex());
+  return kernargs_.alloc(num_buffers, num_values, timeline_signal().slot().value.load(std::memory_order_acquire),
+                         timeline_value());
+}
+
+std::shared_ptr<std::byte[]> CudaHCQDevice::allocate_kernargs_block(std::size_t bytes) const {
+  return std::shared_ptr<std::byte[]>(new std::byte[bytes]());
+}
+
+void CudaHCQDevice::synchronize() {
+  throw_if_failed();
+  HCQCompiled::synchronize();
+  throw_if_failed();
+}
+
+std::unique_ptr<Graph> CudaHCQDevice::create_graph(std::vector<GraphNode> nodes) {
+  return std::make_unique<HCQGraph<CudaHCQDevice>>(*this, std::move(nodes));
+}
+
+void CudaHCQDevice::on_timeline_wrapped() {
+  static_cast<CudaAllocator&>(allocator()).reset_staging_timelines();
+  kernargs_.timeline_wrapped();
+  last_signal_on_compute_ = true;  // nothing is in flight
+}
+
+DeviceCapabilities CudaHCQDevice::capabilities() const {
+  return DeviceCapabilities{.compiles_source = true,
+                            .rejects_invalid_source = true,
+                            .caches_compiles = true,
+                            .runs_kernels = true,
+                            .native_graphs = true,
+                            .hcq = true};
+}
+
+namespace {
 int attribute(const DeviceState& s, CUdevice_attribute which, std::string_view what) {
   int value = 0;
   check(s.api.cuDeviceGetAttribute(&value, which, s.device), fmt::format("cuDeviceGetAttribute({})", what), s.name);
   return value;
 }
+}  // namespace
+
+std::map<std::string, std::string> CudaHCQDevice::properties() const {
+  auto props = Compiled::properties();
+  const DeviceState& s = *state_;
+  char gpu[256] = {};
+  s.api.cuDeviceGetName(gpu, sizeof(gpu) - 1, s.device);
+  std::size_t memory = 0;
+  s.api.cuDeviceTotalMem(&memory, s.device);
+  const auto& compiler = static_cast<const CudaCompiler&>(this->compiler());
+  props["gpu"] = gpu;
+  props["compute capability"] = fmt::format("{}.{}", s.major, s.minor);
+  props["memory"] = fmt::format("{:.1f} GiB", static_cast<double>(memory) / (1ull << 30));
+  props["multiprocessors"] = std::to_string(attribute(s, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, "SMs"));
+  props["64-bit stream memory operations"] = s.memops ? "yes" : "no (signals and waits run as host functions)";
+  props["compiler"] = fmt::format("NVRTC {} to {} for {}", compiler.nvrtc_version(),
+                                  compiler.ptx() ? "PTX (driver JIT)" : "CUBIN", compiler.arch());
+  props["driver"] = fmt::format("{}.{} ({})", s.api.version / 1000, s.api.version % 1000 / 10, s.api.path);
+  props["queues"] = fmt::format("HCQ: compute + copy streams, signals by {}",
+                                s.memops ? "stream memory operations" : "host functions");
+  return props;
+}
+
+namespace {
 
 // The ordinal of "CUDA" (0) or "CUDA:3" (3); canonicalize has checked the form.
 int ordinal_of(const std::string& canonical_name) {
@@ -214,8 +675,30 @@ int ordinal_of(const std::string& canonical_name) {
   return ordinal;
 }
 
+// Note [CUDA at exit]
+// Each device retains its GPU's primary context. At exit (an atexit handler registered after the
+// driver initialized, so it runs before the driver's own teardown) each live device finishes its
+// work, then releases the context; from then on the device refuses calls instead of touching a
+// dead context, and frees of its memory are skipped (the context took it along).
+void release_at_exit() {
+  LiveDevices& live = live_devices();
+  std::lock_guard lock(live.mutex);
+  for (CudaHCQDevice* device : live.devices) {
+    try {
+      device->synchronize();
+    } catch (const std::exception& e) {
+      debug_log(1, "tinydev: {}: unfinished work at exit: {}", device->name(), e.what());
+    }
+    DeviceState& s = device->state();
+    s.released.store(true, std::memory_order_release);
+    s.api.cuDevicePrimaryCtxRelease(s.device);  // an error here (driver already gone) is ignored
+  }
+}
+
 std::shared_ptr<DeviceState> open_state(const std::string& name) {
   const Driver& api = driver();  // DeviceUnavailable: no driver, too old, cuInit failed
+  static const bool registered = [] { return std::atexit(&release_at_exit) == 0; }();
+  (void)registered;
   auto state = std::make_shared<DeviceState>(api, name);
   int count = 0;
   check(api.cuDeviceGetCount(&count), "cuDeviceGetCount", name);
@@ -226,75 +709,41 @@ std::shared_ptr<DeviceState> open_state(const std::string& name) {
                                         count > 0 ? fmt::format(" (CUDA to CUDA:{})", count - 1) : std::string(),
                                         visible ? fmt::format("; CUDA_VISIBLE_DEVICES='{}'", visible) : std::string()));
   }
+  state->ordinal = ordinal;
   check(api.cuDeviceGet(&state->device, ordinal), "cuDeviceGet", name);
   state->major = attribute(*state, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, "compute capability");
   state->minor = attribute(*state, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, "compute capability");
+  state->memops = attribute(*state, CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS, "stream mem ops") != 0;
+  if (!attribute(*state, CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING, "unified addressing"))
+    throw DeviceUnavailable(fmt::format("{}: the GPU has no unified addressing, which tinydev's CUDA queues need", name));
   check(api.cuDevicePrimaryCtxRetain(&state->context, state->device), "cuDevicePrimaryCtxRetain", name);
   try {
     state->make_current();
-    check(api.cuStreamCreate(&state->stream, CU_STREAM_DEFAULT), "cuStreamCreate", name);
+    check(api.cuStreamCreate(&state->compute, CU_STREAM_NON_BLOCKING), "cuStreamCreate", name);
+    check(api.cuStreamCreate(&state->copy, CU_STREAM_NON_BLOCKING), "cuStreamCreate", name);
     check(api.cuEventCreate(&state->start, CU_EVENT_DEFAULT), "cuEventCreate", name);
     check(api.cuEventCreate(&state->end, CU_EVENT_DEFAULT), "cuEventCreate", name);
+    check(api.cuModuleLoadData(&state->timestamp_module, kTimestampPtx), "loading the timestamp kernel", name);
+    check(api.cuModuleGetFunction(&state->timestamp, state->timestamp_module, "tinydev_timestamp"),
+          "finding the timestamp kernel", name);
   } catch (...) {
+    if (state->timestamp_module) api.cuModuleUnload(state->timestamp_module);
     if (state->end) api.cuEventDestroy(state->end);
     if (state->start) api.cuEventDestroy(state->start);
-    if (state->stream) api.cuStreamDestroy(state->stream);
+    if (state->copy) api.cuStreamDestroy(state->copy);
+    if (state->compute) api.cuStreamDestroy(state->compute);
     api.cuDevicePrimaryCtxRelease(state->device);
     throw;
   }
   return state;
 }
 
-class CudaDevice final : public Compiled {
- public:
-  CudaDevice(const std::string& name, std::shared_ptr<DeviceState> state)
-      : Compiled(name, std::make_shared<CudaAllocator>(state),
-                 std::make_unique<CudaCompiler>(arch_for(state->major, state->minor), settings().cuda_ptx),
-                 std::make_unique<CudaRuntime>(state), SourceLanguage::CUDA),
-        state_(std::move(state)) {}
-
-  void synchronize() override {
-    state_->make_current();
-    check(state_->api.cuStreamSynchronize(state_->stream), "cuStreamSynchronize", state_->name);
-  }
-
-  DeviceCapabilities capabilities() const override {
-    return DeviceCapabilities{.compiles_source = true,
-                              .rejects_invalid_source = true,
-                              .caches_compiles = true,
-                              .runs_kernels = true};
-  }
-
-  std::map<std::string, std::string> properties() const override {
-    auto props = Compiled::properties();
-    char gpu[256] = {};
-    state_->api.cuDeviceGetName(gpu, sizeof(gpu) - 1, state_->device);
-    std::size_t memory = 0;
-    state_->api.cuDeviceTotalMem(&memory, state_->device);
-    const auto& compiler = static_cast<const CudaCompiler&>(this->compiler());
-    props["gpu"] = gpu;
-    props["compute capability"] = fmt::format("{}.{}", state_->major, state_->minor);
-    props["memory"] = fmt::format("{:.1f} GiB", static_cast<double>(memory) / (1ull << 30));
-    props["multiprocessors"] = std::to_string(attribute(*state_, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, "SMs"));
-    props["64-bit stream memory operations"] =
-        attribute(*state_, CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS, "stream mem ops") ? "yes" : "no";
-    props["compiler"] = fmt::format("NVRTC {} to {} for {}", compiler.nvrtc_version(),
-                                    compiler.ptx() ? "PTX (driver JIT)" : "CUBIN", compiler.arch());
-    props["driver"] = fmt::format("{}.{} ({})", state_->api.version / 1000, state_->api.version % 1000 / 10,
-                                  state_->api.path);
-    props["queues"] = "one stream per device (HCQ queues not yet)";
-    return props;
-  }
-
- private:
-  std::shared_ptr<DeviceState> state_;
-};
-
 }  // namespace
 }  // namespace cuda
 
 std::unique_ptr<Compiled> open_cuda_device(const std::string& canonical_name) {
-  return std::make_unique<cuda::CudaDevice>(canonical_name, cuda::open_state(canonical_name));
+  auto device = std::make_unique<cuda::CudaHCQDevice>(canonical_name, cuda::open_state(canonical_name));
+  return device;
 }
 
 }  // namespace tinydev

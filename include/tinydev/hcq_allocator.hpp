@@ -116,6 +116,9 @@ class HCQAllocator : public LRUAllocator {
   static void transfer(Allocation dest, Allocation src, std::size_t size, Device& src_device, Device& dest_device) {
     // Checked before a timeline value is taken: a value taken and never signalled hangs the device.
     Device::copy_queue_type::check_copy(dest, src, size);
+    // Optional hook: a device that must set up a path first (a GPU enabling peer access).
+    if constexpr (requires { src_device.prepare_transfer(dest_device); })
+      if (&src_device != &dest_device) src_device.prepare_transfer(dest_device);
     std::scoped_lock lock(src_device.submit_mutex(), dest_device.submit_mutex());
     using Queue = typename Device::copy_queue_type;
     Queue q;

@@ -153,6 +153,7 @@ class HCQCompiled : public Compiled {
         return;
       } catch (const Timeout& e) {
         if (wraps_.load(std::memory_order_acquire) != wraps) return;
+        check_health();  // a device that failed without signalling poisons the timeline here
         if (std::chrono::steady_clock::now() >= deadline)
           throw Timeout(fmt::format("{}: waiting for timeline value {} timed out after {} ms: it is at {}", name(),
                                     value, timeout.count(), slot->value.load()));
@@ -214,6 +215,9 @@ class HCQCompiled : public Compiled {
  protected:
   // Hook for the allocator's staging timelines (reset to 0 on wrap).
   virtual void on_timeline_wrapped() {}
+  // Called every 50 ms while a host thread waits for the timeline: a device whose failures are
+  // only seen by asking (a GPU's sticky error) checks here and poisons its timeline.
+  virtual void check_health() const {}
 
   void reclaim_signals() {
     std::lock_guard lock(submit_mutex_);

@@ -23,6 +23,7 @@
 #include <memory>
 #include <optional>
 #include <span>
+#include <string>
 #include <string_view>
 #include <utility>
 #include <vector>
@@ -65,6 +66,32 @@ struct Kernargs {
     std::memcpy(&v, ptr + num_buffers * 8 + i * 4, 4);
     return v;
   }
+};
+
+// Note [Kernargs pages]
+// Kernel arguments for one launch are bump-allocated from 1 MiB pages of host memory. A full page
+// is retired, tagged with the next timeline value to be taken, so it covers work submitted already
+// and work whose value is taken right after (take it in the same submit_mutex section as the
+// allocation); the page is reused once the timeline has passed that tag, and a new page is made
+// while none has. Nothing blocks here, so allocating while holding an unsubmitted timeline value
+// cannot deadlock. Devices whose queues read arguments from host memory (the CPU's workers, and
+// CUDA, whose driver copies them at launch) use this.
+// Thread safety: none; the device calls it under its submit mutex.
+class KernargsPages {
+ public:
+  static constexpr std::size_t kPageBytes = 1u << 20;
+  explicit KernargsPages(std::string device_name);
+  // Space for one launch. `reached` is the timeline value the device has reached, `next_value` the
+  // next one it will hand out. InvalidArgument when the arguments do not fit a page.
+  Kernargs alloc(std::uint32_t num_buffers, std::uint32_t num_values, std::uint64_t reached, std::uint64_t next_value);
+  // The timeline wrapped (nothing is in flight): every retired page is free again.
+  void timeline_wrapped() noexcept;
+
+ private:
+  std::string device_;
+  std::vector<std::unique_ptr<std::byte[]>> pages_;
+  std::vector<std::pair<std::size_t, std::uint64_t>> retired_;  // (page, timeline value), oldest first
+  std::size_t page_ = 0, next_ = 0;
 };
 
 // Checks the counts against the program's signature (when it declares one), then writes the

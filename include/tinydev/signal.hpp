@@ -19,6 +19,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -36,6 +37,9 @@ struct alignas(64) SignalSlot {
   std::atomic<std::uint32_t> wake_seq{0};    // futex word: bumped when a store wakes sleepers
   std::atomic<std::uint32_t> waiters{0};     // sleeping host waiters (skip the wake syscall at 0)
   std::atomic<std::uint32_t> poisoned{0};
+  // Set by a pool whose slots a device writes without waking anyone (a GPU's stream memory
+  // operation): host waiters then poll instead of sleeping on wake_seq (Note [Polled signals]).
+  std::uint32_t polled = 0;
   // Second line: cold fields. A handle check reads `generation` on every use; keeping it off the
   // hot line means that check never pulls the line a waiter on another core is polling.
   alignas(64) std::atomic<std::uint32_t> generation{0};  // bumped by free: stale handles are detected
@@ -85,9 +89,21 @@ class Signal {
   std::uint32_t generation_ = 0;
 };
 
+// Where a pool's slots live. The default is ordinary host memory. A backend whose device writes
+// signals itself passes memory the device can reach (a GPU's pinned, device-mapped host memory)
+// and says the device's writes wake nobody (`device_writes_without_wake`).
+struct SignalMemory {
+  // Returns `bytes` bytes aligned to 64, or throws (OutOfMemory naming the device).
+  std::function<void*(std::size_t bytes)> allocate;
+  // Gives back what allocate returned; called when the pool dies. Must not throw.
+  std::function<void(void* memory, std::size_t bytes)> release;
+  bool device_writes_without_wake = false;
+};
+
 class SignalPool {
  public:
   explicit SignalPool(std::string name);
+  SignalPool(std::string name, SignalMemory memory);
   ~SignalPool();
   SignalPool(const SignalPool&) = delete;
   SignalPool& operator=(const SignalPool&) = delete;
@@ -114,7 +130,8 @@ class SignalPool {
   mutable std::mutex mutex_;
   std::string name_;
   std::unique_ptr<std::atomic<SignalSlot*>[]> chunk_table_;
-  std::vector<std::unique_ptr<SignalSlot[]>> chunks_;
+  SignalMemory memory_;
+  std::vector<SignalSlot*> chunks_;  // kChunk slots each, constructed in memory_'s memory
   std::vector<std::uint32_t> free_;
   std::size_t live_ = 0;
   std::atomic<std::size_t> capacity_{0};
@@ -131,7 +148,12 @@ inline void cpu_relax() noexcept {
 }
 }  // namespace detail
 
-// Waits for slot->value >= wanted (spin, then futex sleep). `describe` names the signal in
+// Note [Polled signals]
+// A GPU's stream memory operation writes a slot's value over PCIe and wakes no futex, so a host
+// waiter on such a slot (SignalSlot::polled) spins for a time budget, then polls with sleeps that
+// grow to 1 ms: latency stays in microseconds for short waits and the CPU is free for long ones.
+
+// Waits for slot->value >= wanted (spin, then futex sleep, or polling for polled slots). `describe` names the signal in
 // errors. Used by Signal::wait and by device queues that wait on the host side.
 void wait_signal_slot(SignalSlot& slot, std::uint64_t wanted, std::chrono::nanoseconds timeout,
                       const Signal* handle_for_errors);

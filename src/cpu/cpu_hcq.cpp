@@ -242,8 +242,6 @@ const std::shared_ptr<SignalPool>& CpuHCQDevice::shared_signal_pool() {
 }
 
 namespace {
-constexpr std::size_t kKernargsPage = 1u << 20;
-
 // The live CPU devices, for signal_users_now (they share one signal pool).
 struct LiveDevices {
   std::mutex mutex;
@@ -271,8 +269,8 @@ CpuHCQDevice::CpuHCQDevice(const std::string& name, std::unique_ptr<Compiler> co
     : HCQCompiled(name, std::make_shared<CpuAllocator>(*this), std::move(compiler), make_runtime(name, this), language,
                   shared_signal_pool()),
       compute_worker_(name, "COMPUTE"),
-      copy_worker_(name, "DMA") {
-  kernargs_pages_.emplace_back(new std::byte[kKernargsPage]);
+      copy_worker_(name, "DMA"),
+      kernargs_(name) {
   // Last: a constructor that throws runs no destructor, and only the destructor removes the
   // registration (it points at this device).
   LiveDevices& live = live_devices();
@@ -286,36 +284,11 @@ CpuHCQDevice::~CpuHCQDevice() {
   std::erase(live.devices, this);
 }
 
-// Note [Kernargs pages]
-// Kernel arguments are bump-allocated from 1 MiB pages. A full page is retired, tagged with the
-// next timeline value to be taken, so it covers work submitted already and work whose value is
-// taken right after (take it in the same submit_mutex section as the allocation); the page is
-// reused once the timeline has passed that tag, and a new page is made while none has. Nothing
-// blocks here, so allocating while holding an unsubmitted timeline value cannot deadlock.
+// Note [Kernargs pages] (tinydev/hcq_queue.hpp).
 Kernargs CpuHCQDevice::alloc_kernargs(std::uint32_t num_buffers, std::uint32_t num_values) {
-  const std::size_t bytes = (Kernargs::bytes_for(num_buffers, num_values) + 15) / 16 * 16;
-  if (bytes > kKernargsPage)
-    throw InvalidArgument(fmt::format("{}: {} bytes of kernel arguments do not fit a {}-byte kernargs page", name(),
-                                      bytes, kKernargsPage));
   std::lock_guard lock(submit_mutex());
-  if (kernargs_next_ + bytes > kKernargsPage) {
-    const std::uint64_t done = timeline_signal().slot().value.load(std::memory_order_acquire);
-    std::size_t next;
-    if (!kernargs_retired_.empty() && kernargs_retired_.front().second <= done) {
-      next = kernargs_retired_.front().first;
-      kernargs_retired_.pop_front();
-    } else {
-      kernargs_pages_.emplace_back(new std::byte[kKernargsPage]);
-      next = kernargs_pages_.size() - 1;
-    }
-    // Tagged with the next value to be taken: covers work whose value is taken after this call.
-    kernargs_retired_.emplace_back(kernargs_page_, timeline_value());
-    kernargs_page_ = next;
-    kernargs_next_ = 0;
-  }
-  Kernargs k{kernargs_pages_[kernargs_page_].get() + kernargs_next_, num_buffers, num_values};
-  kernargs_next_ += bytes;
-  return k;
+  return kernargs_.alloc(num_buffers, num_values, timeline_signal().slot().value.load(std::memory_order_acquire),
+                         timeline_value());
 }
 
 std::shared_ptr<std::byte[]> CpuHCQDevice::allocate_kernargs_block(std::size_t bytes) const {
@@ -354,7 +327,7 @@ std::map<std::string, std::string> CpuHCQDevice::properties() const {
 void CpuHCQDevice::on_timeline_wrapped() {
   // The wrap happens with nothing in flight: every retired page is free again.
   cpu_allocator().reset_staging_timelines();
-  for (auto& [page, tag] : kernargs_retired_) tag = 0;
+  kernargs_.timeline_wrapped();
 }
 
 }  // namespace tinydev::cpu

@@ -146,7 +146,7 @@ class CpuHCQDevice : public HCQCompiled<CpuComputeQueue, CpuCopyQueue>, public C
   CpuQueueWorker& copy_worker() noexcept { return copy_worker_; }
   CpuAllocator& cpu_allocator() noexcept { return static_cast<CpuAllocator&>(allocator()); }
 
-  // Kernel-argument space for one launch (Note [Kernargs pages]): valid until the work submitted
+  // Kernel-argument space for one launch (Note [Kernargs pages] in tinydev/hcq_queue.hpp): valid until the work submitted
   // with it finished. For arguments reused across many submissions, use allocate_kernargs_block.
   Kernargs alloc_kernargs(std::uint32_t num_buffers, std::uint32_t num_values);
   // Host memory the queues read kernel arguments from, owned by the caller (graphs).
@@ -165,9 +165,7 @@ class CpuHCQDevice : public HCQCompiled<CpuComputeQueue, CpuCopyQueue>, public C
  private:
   CpuQueueWorker compute_worker_;
   CpuQueueWorker copy_worker_;
-  std::vector<std::unique_ptr<std::byte[]>> kernargs_pages_;
-  std::deque<std::pair<std::size_t, std::uint64_t>> kernargs_retired_;  // (page, timeline value)
-  std::size_t kernargs_page_ = 0, kernargs_next_ = 0;
+  KernargsPages kernargs_;
 };
 
 }  // namespace tinydev::cpu

@@ -18,6 +18,7 @@ namespace tinydev::testing {
 // `kernels` also needs a test kernel in the device's source language (KernelSource).
 struct Needs {
   bool kernels = false;  // runs_kernels, and the suite has kernels in the device's language
+  bool cuda_too = false;  // with kernels: every KernelSource this test uses has its CUDA version
   bool add_kernel = false;  // runs_kernels, and kernels::add_f32 exists in the device's language
   bool rejects_invalid_source = false;
   bool caches_compiles = false;
@@ -50,9 +51,11 @@ inline std::string unmet_needs(const Compiled& dev, const Needs& needs) {
   if (needs.add_kernel && caps.runs_kernels && !has_add_kernel(dev.source_language()))
     missing.push_back("the add kernel in " + std::string(to_string(dev.source_language())) +
                       " (add it to tools/demo_kernels.hpp)");
-  if (needs.kernels && caps.runs_kernels && !has_test_kernels(dev.source_language()))
+  const bool cuda_ok = needs.cuda_too && dev.source_language() == SourceLanguage::CUDA;
+  if (needs.kernels && caps.runs_kernels && !has_test_kernels(dev.source_language()) && !cuda_ok)
     missing.push_back("test kernels in " + std::string(to_string(dev.source_language())) +
-                      " (add them to KernelSource in tests/conformance/conformance.hpp)");
+                      " for this test (give its KernelSources a CUDA version and ask for Needs.cuda_too; "
+                      "tests/conformance/conformance.hpp)");
   want(needs.rejects_invalid_source, caps.rejects_invalid_source, "a compiler that rejects invalid source");
   want(needs.caches_compiles, caps.caches_compiles, "compiles cached on disk");
   want(needs.checks_signatures, caps.checks_signatures, "programs that check their argument counts");
@@ -142,15 +145,22 @@ void on_backend_taking(SourceLanguage language, Body&& body) {
   for_each_backend(Needs{.kernels = true, .language = language}, std::forward<Body>(body));
 }
 
-// The same kernel in each source language the suite has kernels for (has_test_kernels).
+// The same kernel in each source language the suite has kernels for (has_test_kernels), and in
+// CUDA C++ for the tests that ask for Needs.cuda_too. A CUDA kernel's `global` is its grid of
+// blocks and `local` its block; the fake driver (tests/cuda/fake_driver) runs a host version
+// registered under the kernel's name.
 struct KernelSource {
   std::string llvm_ir;
   std::string c;
+  std::string cuda{};
   const std::string& for_device(const Compiled& dev) const { return for_language(dev.source_language()); }
   const std::string& for_language(SourceLanguage language) const {
     switch (language) {
       case SourceLanguage::LLVMIR: return llvm_ir;
       case SourceLanguage::C: return c;
+      case SourceLanguage::CUDA:
+        if (!cuda.empty()) return cuda;
+        [[fallthrough]];
       default: FAIL("no test kernel for " << to_string(language) << ": ask for Needs{.kernels = true}");
     }
     return c;

@@ -37,13 +37,13 @@ void for_each_hcq_device(Body&& body, Needs needs = Needs{.kernels = true}) {
   });
 }
 
-// Another device of `dev`'s backend and type ("LLVM:2" for "LLVM"), for tests of two devices; skips
+// Another device of `dev`'s backend and type ("LLVM:1" for "LLVM", "CUDA:1" for "CUDA"), for tests of two devices; skips
 // and returns nullptr when there is none.
 template <class Dev>
 Dev* second_device(Dev& dev) {
   const std::string type = dev.name().substr(0, dev.name().find(':'));
   try {
-    auto* other = dynamic_cast<Dev*>(&Device[type + ":2"]);
+    auto* other = dynamic_cast<Dev*>(&Device[type + ":1"]);
     REQUIRE(other);
     return other;
   } catch (const DeviceUnavailable& e) {
@@ -75,15 +75,19 @@ HCQAllocator<Dev>& hcq_allocator(Dev& dev) {
 inline KernelSource inc_kernel(const std::string& name) {
   return {"define void @" + name + "(ptr %dst, ptr %src) {\n  %v = load i32, ptr %src\n  %r = add i32 %v, 1\n"
               "  store i32 %r, ptr %dst\n  ret void\n}\n",
-          "void " + name + "(int* dst, const int* src) { dst[0] = src[0] + 1; }\n"};
+          "void " + name + "(int* dst, const int* src) { dst[0] = src[0] + 1; }\n",
+          "extern \"C\" __global__ void " + name + "(int* dst, const int* src) { dst[0] = src[0] + 1; }\n"};
 }
 
-// out[idx] = k + idx, one grid index per call (Note [CPU grid ABI]).
+// out[idx] = k + idx, one grid index per call (Note [CPU grid ABI]); on CUDA idx is the thread's
+// global index.
 inline const KernelSource kFill{
     "define void @fill(ptr %out, i32 %k, i32 %idx) {\n  %i = sext i32 %idx to i64\n"
     "  %p = getelementptr inbounds i32, ptr %out, i64 %i\n  %v = add i32 %k, %idx\n  store i32 %v, ptr %p\n"
     "  ret void\n}\n",
-    "void fill(int* out, int k, int idx) { out[idx] = k + idx; }\n"};
+    "void fill(int* out, int k, int idx) { out[idx] = k + idx; }\n",
+    "extern \"C\" __global__ void fill(int* out, int k) {\n"
+    "  int idx = blockIdx.x * blockDim.x + threadIdx.x;\n  out[idx] = k + idx;\n}\n"};
 
 // out[i] = a[i] * k for i < n
 inline const KernelSource kScale{
@@ -91,7 +95,10 @@ inline const KernelSource kScale{
                                "  %pa = getelementptr inbounds float, ptr %a, i64 %idx\n"
                                "  %va = load float, ptr %pa\n  %kf = sitofp i32 %k to float\n  %r = fmul float %va, %kf\n"
                                "  %po = getelementptr inbounds float, ptr %out, i64 %idx\n  store float %r, ptr %po\n"),
-    "void scale(float* out, const float* a, int k, int n) { for (int i = 0; i < n; i++) out[i] = a[i] * (float)k; }\n"};
+    "void scale(float* out, const float* a, int k, int n) { for (int i = 0; i < n; i++) out[i] = a[i] * (float)k; }\n",
+    "extern \"C\" __global__ void scale(float* out, const float* a, int k, int n) {\n"
+    "  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) out[i] = a[i] * (float)k;\n"
+    "}\n"};
 
 // A one-int32 buffer holding 0, and its value read back.
 inline Buffer int_counter(const Compiled& dev) {

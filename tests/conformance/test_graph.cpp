@@ -63,7 +63,7 @@ GraphBuffer in(std::size_t i) { return GraphBuffer::in(i); }
 }  // namespace
 
 TEST_CASE("graph: write-after-write - read-then-write and write-then-read replay as eager", "[graph]") {
-  for_each_backend(Needs{.kernels = true, .native_graphs = true}, [](Compiled& dev) {
+  for_each_backend(Needs{.kernels = true, .cuda_too = true, .native_graphs = true}, [](Compiled& dev) {
     const std::size_t n = 1000;
     auto add = dev.load_kernel("add", kernels::add_f32(dev.source_language()));
     auto scale = dev.load_kernel("scale", kScale.for_device(dev));
@@ -87,7 +87,7 @@ TEST_CASE("graph: write-after-write - read-then-write and write-then-read replay
 }
 
 TEST_CASE("graph: copies - offsets - fixed buffers and two graphs", "[graph]") {
-  for_each_backend(Needs{.kernels = true, .native_graphs = true}, [](Compiled& dev) {
+  for_each_backend(Needs{.kernels = true, .cuda_too = true, .native_graphs = true}, [](Compiled& dev) {
     const std::size_t n = 512;
     auto add = dev.load_kernel("add", kernels::add_f32(dev.source_language()));
     const GraphValue count = GraphValue::of(static_cast<std::int32_t>(n));
@@ -212,5 +212,5 @@ TEST_CASE("profile: the trace is JSON with one process per device - COMPUTE and 
     CHECK(names["CPU -> " + dev.name()] >= 1);
     CHECK(names[dev.name() + " -> CPU"] >= 1);
     CHECK(names["add"] >= 1);
-  });
+  }, Needs{.kernels = true, .cuda_too = true});
 }

@@ -91,7 +91,7 @@ TEST_CASE("hcq: one exec and two kernels ping-ponged 100 times giving 200", "[hc
     dev.synchronize();
     CHECK(read_int(a) == 200);
     CHECK(read_int(b) == 201);
-  });
+  }, Needs{.kernels = true, .cuda_too = true});
 }
 
 TEST_CASE("hcq: exec with a grid appends the index and update_exec changes the sizes", "[hcq]") {
@@ -181,7 +181,7 @@ TEST_CASE("hcq: timestamps are positive and ordered", "[hcq]") {
     CHECK(t0.timestamp() > 0);
     CHECK(t1.timestamp() > t0.timestamp());
     CHECK(t2.timestamp() >= t1.timestamp());
-  });
+  }, Needs{.kernels = true, .cuda_too = true});
 }
 
 TEST_CASE("hcq: the timeline started at 2^32-20 rolls over with all work still correct", "[hcq]") {
@@ -211,7 +211,7 @@ TEST_CASE("hcq: the timeline started at 2^32-20 rolls over with all work still c
     big.copyout(back);
     hcq_allocator(dev).set_force_staging(false);
     CHECK(back == data);
-  });
+  }, Needs{.kernels = true, .cuda_too = true});
 }
 
 TEST_CASE("hcq: staging-ring copyin of 1 B - 2 MiB-1 - 2 MiB+1 and 64 MiB+3", "[hcq]") {
@@ -309,7 +309,7 @@ TEST_CASE("hcq: a failure poisons the signals its queue would set", "[hcq]") {
     Signal fine = dev.alloc_signal(0);
     dev.compute_queue().signal(fine, 2).submit(dev);
     fine.wait(2, 5000ms);
-  });
+  }, Needs{});
 }
 
 TEST_CASE("hcq: direct program calls run after queued work", "[hcq]") {
@@ -328,7 +328,7 @@ TEST_CASE("hcq: direct program calls run after queued work", "[hcq]") {
     (*ping)(aa, {});  // waits for the queued increment first: 0 -> 1 -> 2
     opener.join();
     CHECK(read_int(a) == 2);
-  });
+  }, Needs{.kernels = true, .cuda_too = true});
 }
 
 TEST_CASE("hcq: kernargs allocation never blocks - even holding an unsubmitted timeline value", "[hcq]") {
@@ -350,7 +350,7 @@ TEST_CASE("hcq: kernargs allocation never blocks - even holding an unsubmitted t
     q.signal(dev.timeline_signal(), v).submit(dev);
     dev.synchronize();
     CHECK(read_int(a) == 1);
-  });
+  }, Needs{.kernels = true, .cuda_too = true});
 }
 
 TEST_CASE("hcq: memory freed while a staged copy is in flight is only freed after it", "[hcq]") {
@@ -374,7 +374,7 @@ TEST_CASE("hcq: memory freed while a staged copy is in flight is only freed afte
     std::vector<std::byte> back(data.size());
     check.copyout(back);
     CHECK(back == data);
-  });
+  }, Needs{});
 }
 
 TEST_CASE("hcq: kernargs allocated before the timeline value is taken stay intact", "[hcq]") {
@@ -393,7 +393,7 @@ TEST_CASE("hcq: kernargs allocated before the timeline value is taken stay intac
         .signal(dev.timeline_signal(), v).submit(dev);
     dev.synchronize();
     CHECK(read_int(a) == 1);
-  });
+  }, Needs{.kernels = true, .cuda_too = true});
 }
 
 TEST_CASE("hcq: a signal freed while work is in flight is dead at once - freeing twice is an error", "[hcq]") {
@@ -426,7 +426,7 @@ TEST_CASE("hcq: more bad input: foreign programs in graphs - missing or oversize
     CHECK(q.size() == 0);
     CHECK_THROWS_WITH(dev.alloc_kernargs(200000, 0), Catch::Contains("do not fit"));
     CHECK_THROWS_WITH(q.exec(*ping, dev.alloc_kernargs(2, 0), {0, 1, 1}, {1, 1, 1}), Catch::Contains("zero dimension"));
-  });
+  }, Needs{.kernels = true, .cuda_too = true});
 }
 
 TEST_CASE("hcq: transfer within one device and a custom staging ring shape", "[hcq]") {

@@ -1,12 +1,15 @@
 // The CUDA backend. The compiler tests need NVRTC only, so they run in CI on machines without a
 // GPU; the "cuda gpu:" tests skip, saying why, where no GPU opens. This binary links the CUDA
 // backend alone (no LLVM) and registers it itself.
+#include <dlfcn.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstring>
+#include <thread>
 
 #include "cuda_compiler.hpp"
+#include "cuda_hcq.hpp"
 #include "demo_kernels.hpp"
 #include "support.hpp"
 
@@ -319,7 +322,7 @@ TEST_CASE("cuda fake: out of device memory frees the LRU cache and retries once"
   dev->allocator().free(big, 2 * k64);
 }
 
-TEST_CASE("cuda fake: a launch the driver fails is an Error naming the driver's error and the device keeps working", "[cuda][fake]") {
+TEST_CASE("cuda fake: a launch the driver refuses is an Error naming the driver's error and the device keeps working", "[cuda][fake]") {
   Compiled* dev = fake_gpu();
   if (!dev) return;
   auto add = dev->load_kernel("add", kernels::add_f32(SourceLanguage::CUDA));
@@ -331,9 +334,10 @@ TEST_CASE("cuda fake: a launch the driver fails is an Error naming the driver's 
   const Allocation bufs[] = {bo.allocation(), ba.allocation(), ba.allocation()};
   const std::int32_t vals[] = {static_cast<std::int32_t>(n)};
   {
-    FakeEnv fail("FAKE_CUDA_FAIL", "cuLaunchKernel=719");
+    // Too many resources requested: the launch never happened, the context is fine.
+    FakeEnv fail("FAKE_CUDA_FAIL", "cuLaunchKernel=701");
     CHECK_THROWS_WITH((*add)(bufs, vals), Catch::Contains("launching 'add' failed") &&
-                                              Catch::Contains("CUDA_ERROR_LAUNCH_FAILED"));
+                                              Catch::Contains("CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES"));
   }
   (*add)(bufs, vals);
   std::vector<float> out(n);
@@ -382,4 +386,135 @@ TEST_CASE("cuda fake: cuInit failing is DeviceUnavailable saying there is no GPU
     CHECK_THAT(what, Catch::Contains("did not initialize") && Catch::Contains("CUDA_ERROR_NO_DEVICE") &&
                          Catch::Contains("no NVIDIA GPU"));
   }
+}
+
+// ---- HCQ on the fake driver: streams, stream memory operations, failures, peers ----------------
+
+namespace {
+
+cuda::CudaHCQDevice* fake_hcq(const char* name = "CUDA") {
+  if (!fake_gpu()) return nullptr;
+  auto* dev = dynamic_cast<cuda::CudaHCQDevice*>(&Device[name]);
+  REQUIRE(dev);
+  return dev;
+}
+
+// What the fake driver says about peer access from device `from` to `to` (fake_cuda_peer_enabled).
+bool fake_peer_enabled(int from, int to) {
+  void* fake = ::dlopen(std::getenv("TINYDEV_CUDA_DRIVER"), RTLD_NOW | RTLD_NOLOAD);
+  REQUIRE(fake);
+  auto* query = reinterpret_cast<int (*)(int, int)>(::dlsym(fake, "fake_cuda_peer_enabled"));
+  REQUIRE(query);
+  const bool enabled = query(from, to) != 0;
+  ::dlclose(fake);
+  return enabled;
+}
+
+// Submits a compute queue ordered on the timeline: wait for the last value, `body`, signal the next.
+template <class Body>
+void submit_ordered(cuda::CudaHCQDevice& dev, Body&& body) {
+  std::lock_guard lock(dev.submit_mutex());
+  const std::uint64_t v = dev.next_timeline_value();
+  auto q = dev.compute_queue();
+  q.wait(dev.timeline_signal(), v - 1);
+  body(q);
+  q.signal(dev.timeline_signal(), v).submit(dev);
+}
+
+void check_transfer(cuda::CudaHCQDevice& a, cuda::CudaHCQDevice& b) {
+  const auto data = random_bytes((3u << 20) + 5, fresh_seed());
+  Buffer src(a.name(), data.size(), dtypes::uint8), dst(b.name(), data.size(), dtypes::uint8);
+  src.allocate().copyin(data);
+  dst.allocate();
+  HCQAllocator<cuda::CudaHCQDevice>::transfer(dst.allocation(), src.allocation(), data.size(), a, b);
+  std::vector<std::byte> back(data.size());
+  dst.copyout(back);
+  CHECK(back == data);
+}
+
+}  // namespace
+
+TEST_CASE("cuda fake: a kernel's illegal address is sticky - the device says so on every later call", "[cuda][fake]") {
+  FakeEnv fail("FAKE_CUDA_FAIL", "run:add=700");  // the kernel faults when it runs, as on a GPU
+  auto* dev = fake_hcq();
+  if (!dev) return;
+  auto add = dev->load_kernel("add", kernels::add_f32(SourceLanguage::CUDA));
+  Buffer a(dev->name(), 64, dtypes::float32), o(dev->name(), 64, dtypes::float32);
+  a.allocate();
+  o.allocate();
+  const Allocation bufs[] = {o.allocation(), a.allocation(), a.allocation()};
+  const std::int32_t vals[] = {64};
+  // The fault happens on the GPU's time: the launch's own submit may already see it, else the
+  // synchronize does.
+  CHECK_THROWS_WITH(((*add)(bufs, vals), dev->synchronize()), Catch::Contains("CUDA_ERROR_ILLEGAL_ADDRESS"));
+  CHECK_THROWS_WITH((*add)(bufs, vals), Catch::Contains("failed earlier") && Catch::Contains("CUDA_ERROR_ILLEGAL_ADDRESS"));
+  CHECK_THROWS_WITH(Buffer(dev->name(), 1 << 20, dtypes::uint8).allocate(), Catch::Contains("failed earlier"));
+  CHECK_THROWS_WITH(dev->compute_queue().signal(dev->alloc_signal(), 1).submit(*dev), Catch::Contains("failed earlier"));
+  // The other GPU is a separate context and keeps working.
+  auto* other = fake_hcq("CUDA:1");
+  Signal s = other->alloc_signal(0);
+  other->compute_queue().signal(s, 3).submit(*other);
+  s.wait(3, std::chrono::seconds(5));
+}
+
+TEST_CASE("cuda fake: transfer between GPUs enables peer access once both ways and copies", "[cuda][fake]") {
+  auto* a = fake_hcq("CUDA");
+  if (!a) return;
+  auto* b = fake_hcq("CUDA:1");
+  check_transfer(*a, *b);
+  CHECK(fake_peer_enabled(0, 1));
+  CHECK(fake_peer_enabled(1, 0));
+  check_transfer(*b, *a);  // enabled already: no second enable (the fake would refuse it)
+}
+
+TEST_CASE("cuda fake: transfer between GPUs without peer access is staged and still ordered", "[cuda][fake]") {
+  FakeEnv no_peer("FAKE_CUDA_NO_PEER", "1");
+  auto* a = fake_hcq("CUDA");
+  if (!a) return;
+  auto* b = fake_hcq("CUDA:1");
+  check_transfer(*a, *b);
+  check_transfer(*b, *a);
+  CHECK_FALSE(fake_peer_enabled(0, 1));
+  CHECK_FALSE(fake_peer_enabled(1, 0));
+}
+
+TEST_CASE("cuda fake: without 64-bit stream memory operations signals and waits run as host functions", "[cuda][fake]") {
+  FakeEnv no_memops("FAKE_CUDA_NO_MEMOPS", "1");  // read when the device opens
+  auto* dev = fake_hcq();
+  if (!dev) return;
+  CHECK_THAT(dev->properties().at("64-bit stream memory operations"), Catch::StartsWith("no"));
+  Signal gate = dev->alloc_signal(0), done = dev->alloc_signal(0);
+  dev->compute_queue().wait(gate, 2).signal(done, 5).submit(*dev);
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  CHECK(done.value() == 0);
+  gate.set(2);
+  done.wait(5, std::chrono::seconds(5));
+  const auto data = random_bytes((2u << 20) + 7, fresh_seed());
+  Buffer b(dev->name(), data.size(), dtypes::uint8);
+  b.allocate().copyin(data);
+  std::vector<std::byte> back(data.size());
+  b.copyout(back);
+  CHECK(back == data);
+}
+
+TEST_CASE("cuda fake: a producer far ahead of the GPU blocks at about 1000 operations in flight", "[cuda][fake]") {
+  auto* dev = fake_hcq();
+  if (!dev) return;
+  Signal gate = dev->alloc_signal(0);
+  submit_ordered(*dev, [&](auto& q) { q.wait(gate, 1); });  // the GPU stalls here
+  std::atomic<int> submitted{0};
+  std::thread producer([&] {
+    for (int i = 0; i < 1500; ++i) {
+      submit_ordered(*dev, [](auto&) {});
+      submitted.fetch_add(1);
+    }
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  const int while_stalled = submitted.load();
+  CHECK(while_stalled >= 900);
+  CHECK(while_stalled <= 1001);
+  gate.set(1);
+  producer.join();
+  dev->synchronize();
+  CHECK(submitted.load() == 1500);
 }

@@ -5,50 +5,84 @@
 //    bytes (default 256 MiB) of "device memory" (host memory the fake tracks: frees and copies of
 //    memory it did not hand out, or past an allocation's end, are errors, as a driver's are);
 //  - modules are the real CUBIN/PTX NVRTC produced; a kernel is found by name in the image and run
-//    by a host implementation registered here (only `add`, the backend's test kernel, for now);
-//  - streams and events complete at once (work runs when it is queued), events carry host time;
+//    by a host implementation registered here (the test suite's kernels: add, ping, pong, scale,
+//    fill, and the backend's own tinydev_timestamp);
+//  - each stream is a thread running its work in order, as a GPU's stream runs asynchronously to
+//    the host: kernels, copies, stream memory operations (a wait polls the word, a write stores it
+//    and wakes nobody, as a GPU's does), host functions and events; cuStreamSynchronize,
+//    cuStreamQuery, cuEventSynchronize and cuCtxSynchronize wait for or look at that work;
+//  - a kernel touching memory the fake did not hand out fails when it runs with
+//    CUDA_ERROR_ILLEGAL_ADDRESS, which, as on a GPU, is sticky: every later call in that context
+//    returns it;
 //  - FAKE_CUDA_FAIL="cuLaunchKernel=719,cuMemAlloc_v2=2" makes those functions return that
-//    CUresult (read on every call), so the backend's error paths run in CI.
+//    CUresult (read on every call), and "run:add=719" makes kernel `add` fail when it runs (a
+//    sticky error), so the backend's error paths run in CI;
+//  - FAKE_CUDA_NO_PEER=1: no device can access another's memory (copies between them still
+//    work, staged by the "driver"); FAKE_CUDA_NO_MEMOPS=1: no 64-bit stream memory operations.
+//  fake_cuda_peer_enabled(from, to) tells tests whether the backend enabled peer access.
 // Not a general emulator: what the backend does not call is not here.
 #include <cuda.h>
 
+#include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
+#include <functional>
 #include <map>
+#include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <vector>
 
 namespace {
+
+struct FakeStream;
 
 struct FakeDevice {
   int ordinal = 0;
   std::size_t capacity = 0, used = 0;
   std::map<std::uintptr_t, std::size_t> allocations;  // device "pointers" and their sizes
+  std::atomic<int> sticky{CUDA_SUCCESS};              // a sticky error poisons the context
+  std::vector<FakeStream*> streams;
+  std::set<int> peers;  // devices whose memory this one's context may access (cuCtxEnablePeerAccess)
 };
 
 struct FakeModule {
   std::string image;  // the bytes loaded, searched for kernel names
 };
 
-using HostKernel = void (*)(const std::byte* params, std::size_t size);
+struct Dim {
+  unsigned x, y, z;
+  std::size_t count() const { return std::size_t{x} * y * z; }
+};
+using HostKernel = void (*)(const std::byte* params, std::size_t size, Dim grid, Dim block);
+
+struct KernelInfo {
+  HostKernel run;
+  int pointers;  // leading 8-byte pointer parameters, checked before the kernel runs
+};
 
 struct FakeFunction {
   std::string name;
-  HostKernel run;
+  KernelInfo kernel;
 };
 
 struct FakeEvent {
+  std::mutex mutex;
+  std::condition_variable done_cv;
+  std::uint64_t recorded = 0, completed = 0;  // records made and finished (a later record resets it)
   std::chrono::steady_clock::time_point at{};
-  bool recorded = false;
 };
 
 std::mutex g_mutex;
 bool g_initialized = false;
-std::vector<FakeDevice>& devices() {
-  static auto* d = new std::vector<FakeDevice>;
+std::vector<FakeDevice*>& devices() {
+  static auto* d = new std::vector<FakeDevice*>;
   return *d;
 }
 std::map<std::uintptr_t, std::size_t>& host_allocations() {
@@ -81,6 +115,10 @@ CUresult injected(std::string_view function) {
 #define FAKE_INJECT(name)                                  \
   if (CUresult r = injected(#name); r != CUDA_SUCCESS) return r
 
+// The current context's sticky error, if any (every call in a poisoned context returns it).
+#define FAKE_STICKY()                                                                       \
+  if (t_current && t_current->sticky.load() != CUDA_SUCCESS) return static_cast<CUresult>(t_current->sticky.load())
+
 // The allocation of `device` that holds [address, address + size), or false.
 bool inside(const FakeDevice& device, std::uintptr_t address, std::size_t size) {
   auto it = device.allocations.upper_bound(address);
@@ -88,36 +126,204 @@ bool inside(const FakeDevice& device, std::uintptr_t address, std::size_t size) 
   --it;
   return address >= it->first && address + size <= it->first + it->second;
 }
-bool inside_any(std::uintptr_t address, std::size_t size) {
-  for (const FakeDevice& d : devices())
-    if (inside(d, address, size)) return true;
+bool inside_host(std::uintptr_t address, std::size_t size) {
   auto it = host_allocations().upper_bound(address);
   if (it == host_allocations().begin()) return false;
   --it;
   return address >= it->first && address + size <= it->first + it->second;
 }
-
-// out[i] = a[i] + b[i] for i < n, whatever the grid (the backend's add is a grid-stride loop).
-void add_kernel(const std::byte* params, std::size_t size) {
-  if (size < 28) return;
-  std::uint64_t out, a, b;
-  std::int32_t n;
-  std::memcpy(&out, params, 8);
-  std::memcpy(&a, params + 8, 8);
-  std::memcpy(&b, params + 16, 8);
-  std::memcpy(&n, params + 24, 4);
-  auto* o = reinterpret_cast<float*>(out);
-  const auto* x = reinterpret_cast<const float*>(a);
-  const auto* y = reinterpret_cast<const float*>(b);
-  for (std::int32_t i = 0; i < n; ++i) o[i] = x[i] + y[i];
+// Whether a kernel of `device` may touch [address, address + size): its own memory, a peer's it
+// enabled access to, or mapped host memory. Caller holds g_mutex.
+bool reachable(const FakeDevice& device, std::uintptr_t address, std::size_t size) {
+  if (inside(device, address, size) || inside_host(address, size)) return true;
+  for (const FakeDevice* other : devices())
+    if (other != &device && device.peers.count(other->ordinal) && inside(*other, address, size)) return true;
+  return false;
+}
+bool inside_any(std::uintptr_t address, std::size_t size) {
+  for (const FakeDevice* d : devices())
+    if (inside(*d, address, size)) return true;
+  return inside_host(address, size);
 }
 
-const std::map<std::string, HostKernel, std::less<>>& kernels() {
-  static const auto* k = new std::map<std::string, HostKernel, std::less<>>{{"add", &add_kernel}};
+// ---- streams ----------------------------------------------------------------------------------
+
+// A stream runs its work in order on a thread of its own. A failing item's error is sticky for
+// the whole context; the rest of the work is then dropped.
+struct FakeStream {
+  explicit FakeStream(FakeDevice* device) : device(device), thread([this] { run(); }) {}
+  ~FakeStream() {
+    {
+      std::lock_guard lock(mutex);
+      stop = true;
+    }
+    wake.notify_all();
+    thread.join();
+  }
+
+  void enqueue(std::function<CUresult()> work) {
+    {
+      std::lock_guard lock(mutex);
+      pending.push_back(std::move(work));
+      queued += 1;
+    }
+    wake.notify_all();
+  }
+  // Waits until everything queued so far ran; returns the context's sticky error.
+  CUresult synchronize() {
+    std::unique_lock lock(mutex);
+    const std::uint64_t target = queued;
+    idle.wait(lock, [&] { return finished >= target; });
+    return static_cast<CUresult>(device->sticky.load());
+  }
+  CUresult query() {
+    if (device->sticky.load() != CUDA_SUCCESS) return static_cast<CUresult>(device->sticky.load());
+    std::lock_guard lock(mutex);
+    return finished == queued ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
+  }
+
+  void run() {
+    while (true) {
+      std::function<CUresult()> work;
+      {
+        std::unique_lock lock(mutex);
+        wake.wait(lock, [&] { return stop || !pending.empty(); });
+        if (pending.empty()) return;
+        work = std::move(pending.front());
+        pending.pop_front();
+      }
+      if (device->sticky.load() == CUDA_SUCCESS) {
+        const CUresult r = work();
+        if (r != CUDA_SUCCESS) {
+          int expected = CUDA_SUCCESS;
+          device->sticky.compare_exchange_strong(expected, r);
+        }
+      }
+      {
+        std::lock_guard lock(mutex);
+        finished += 1;
+      }
+      idle.notify_all();
+    }
+  }
+
+  FakeDevice* device;
+  std::mutex mutex;
+  std::condition_variable wake, idle;
+  std::deque<std::function<CUresult()>> pending;
+  std::uint64_t queued = 0, finished = 0;
+  bool stop = false;
+  std::thread thread;
+};
+
+FakeStream* stream_of(CUstream stream) { return reinterpret_cast<FakeStream*>(stream); }
+
+// Runs `work` on `stream`, or at once on the legacy stream (nullptr).
+CUresult submit(CUstream stream, std::function<CUresult()> work) {
+  if (!stream) return work();
+  stream_of(stream)->enqueue(std::move(work));
+  return CUDA_SUCCESS;
+}
+
+std::uint64_t* word_at(CUdeviceptr address) { return reinterpret_cast<std::uint64_t*>(address); }
+
+// A stream memory operation's word must be device memory or mapped host memory, 8-byte aligned.
+CUresult check_word(CUdeviceptr address) {
+  if (address % 8 != 0) return CUDA_ERROR_INVALID_VALUE;
+  std::lock_guard lock(g_mutex);
+  return inside_any(static_cast<std::uintptr_t>(address), 8) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+CUresult write_value(CUdeviceptr address, std::uint64_t value) {
+  std::atomic_ref<std::uint64_t>(*word_at(address)).store(value, std::memory_order_seq_cst);
+  return CUDA_SUCCESS;
+}
+// GEQ as the driver defines it: (int64_t)(*addr - value) >= 0, polled as a GPU polls.
+CUresult wait_value(CUdeviceptr address, std::uint64_t value) {
+  for (int spins = 0;; ++spins) {
+    const std::uint64_t now = std::atomic_ref<std::uint64_t>(*word_at(address)).load(std::memory_order_seq_cst);
+    if (static_cast<std::int64_t>(now - value) >= 0) return CUDA_SUCCESS;
+    if (spins > 1000) std::this_thread::sleep_for(std::chrono::microseconds(20));
+    else std::this_thread::yield();
+  }
+}
+
+bool memops_supported() { return env_number("FAKE_CUDA_NO_MEMOPS", 0) == 0; }
+
+// ---- kernels ----------------------------------------------------------------------------------
+
+template <class T>
+T param(const std::byte* params, std::size_t offset) {
+  T v;
+  std::memcpy(&v, params + offset, sizeof v);
+  return v;
+}
+template <class T>
+T* pointer_param(const std::byte* params, std::size_t offset) {
+  return reinterpret_cast<T*>(param<std::uint64_t>(params, offset));
+}
+
+// add(float* out, const float* a, const float* b, int n): out[i] = a[i] + b[i] for i < n.
+void add_kernel(const std::byte* p, std::size_t, Dim, Dim) {
+  auto* o = pointer_param<float>(p, 0);
+  const auto* a = pointer_param<const float>(p, 8);
+  const auto* b = pointer_param<const float>(p, 16);
+  for (std::int32_t i = 0, n = param<std::int32_t>(p, 24); i < n; ++i) o[i] = a[i] + b[i];
+}
+// ping / pong(int* dst, const int* src): dst[0] = src[0] + 1.
+void inc_kernel(const std::byte* p, std::size_t, Dim, Dim) {
+  pointer_param<std::int32_t>(p, 0)[0] = pointer_param<const std::int32_t>(p, 8)[0] + 1;
+}
+// scale(float* out, const float* a, int k, int n): out[i] = a[i] * k for i < n.
+void scale_kernel(const std::byte* p, std::size_t, Dim, Dim) {
+  auto* o = pointer_param<float>(p, 0);
+  const auto* a = pointer_param<const float>(p, 8);
+  const auto k = static_cast<float>(param<std::int32_t>(p, 16));
+  for (std::int32_t i = 0, n = param<std::int32_t>(p, 20); i < n; ++i) o[i] = a[i] * k;
+}
+// fill(int* out, int k): out[t] = k + t for every thread t of the launch.
+void fill_kernel(const std::byte* p, std::size_t, Dim grid, Dim block) {
+  auto* o = pointer_param<std::int32_t>(p, 0);
+  const auto k = param<std::int32_t>(p, 8);
+  const std::size_t threads = grid.count() * block.count();
+  for (std::size_t t = 0; t < threads; ++t) o[t] = k + static_cast<std::int32_t>(t);
+}
+// The backend's timestamp kernel: *(u64*)p = %globaltimer (here the host's steady clock, in ns).
+void timestamp_kernel(const std::byte* p, std::size_t, Dim, Dim) {
+  const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                      std::chrono::steady_clock::now().time_since_epoch()).count();
+  std::atomic_ref<std::uint64_t>(*pointer_param<std::uint64_t>(p, 0)).store(static_cast<std::uint64_t>(ns));
+}
+
+const std::map<std::string, KernelInfo, std::less<>>& kernels() {
+  static const auto* k = new std::map<std::string, KernelInfo, std::less<>>{
+      {"add", {&add_kernel, 3}},     {"ping", {&inc_kernel, 2}},  {"pong", {&inc_kernel, 2}},
+      {"scale", {&scale_kernel, 2}}, {"fill", {&fill_kernel, 1}}, {"tinydev_timestamp", {&timestamp_kernel, 1}}};
   return *k;
 }
 
+CUresult device_copy(void* dest, const void* src, std::size_t size) {
+  std::memmove(dest, src, size);
+  return CUDA_SUCCESS;
+}
+
+// A copy's device-side ends must lie in memory the fake handed out (a host pointer outside it is
+// pageable memory, which the driver copies too).
+CUresult check_copy(CUdeviceptr dest, CUdeviceptr src, std::size_t size, bool dest_device, bool src_device) {
+  std::lock_guard lock(g_mutex);
+  if (dest_device && !inside_any(static_cast<std::uintptr_t>(dest), size)) return CUDA_ERROR_INVALID_VALUE;
+  if (src_device && !inside_any(static_cast<std::uintptr_t>(src), size)) return CUDA_ERROR_INVALID_VALUE;
+  return CUDA_SUCCESS;
+}
+
 }  // namespace
+
+// What tests ask the fake: whether the backend enabled device `from`'s access to `to`'s memory.
+extern "C" int fake_cuda_peer_enabled(int from, int to) {
+  std::lock_guard lock(g_mutex);
+  if (from < 0 || from >= static_cast<int>(devices().size())) return 0;
+  return devices()[static_cast<std::size_t>(from)]->peers.count(to) ? 1 : 0;
+}
 
 extern "C" {
 
@@ -127,8 +333,12 @@ CUresult CUDAAPI cuInit(unsigned int) {
   if (!g_initialized) {
     const std::size_t count = env_number("FAKE_CUDA_DEVICES", 2);
     if (count == 0) return CUDA_ERROR_NO_DEVICE;
-    for (std::size_t i = 0; i < count; ++i)
-      devices().push_back(FakeDevice{static_cast<int>(i), env_number("FAKE_CUDA_MEMORY", 256u << 20), 0, {}});
+    for (std::size_t i = 0; i < count; ++i) {
+      auto* d = new FakeDevice;  // never freed: the driver outlives its users
+      d->ordinal = static_cast<int>(i);
+      d->capacity = env_number("FAKE_CUDA_MEMORY", 256u << 20);
+      devices().push_back(d);
+    }
     g_initialized = true;
   }
   return CUDA_SUCCESS;
@@ -141,15 +351,26 @@ CUresult CUDAAPI cuDriverGetVersion(int* version) {
 
 CUresult CUDAAPI cuGetErrorName(CUresult error, const char** out) {
   switch (error) {
-    case CUDA_SUCCESS: *out = "CUDA_SUCCESS"; break;
-    case CUDA_ERROR_INVALID_VALUE: *out = "CUDA_ERROR_INVALID_VALUE"; break;
-    case CUDA_ERROR_OUT_OF_MEMORY: *out = "CUDA_ERROR_OUT_OF_MEMORY"; break;
-    case CUDA_ERROR_NO_DEVICE: *out = "CUDA_ERROR_NO_DEVICE"; break;
-    case CUDA_ERROR_INVALID_DEVICE: *out = "CUDA_ERROR_INVALID_DEVICE"; break;
-    case CUDA_ERROR_INVALID_IMAGE: *out = "CUDA_ERROR_INVALID_IMAGE"; break;
-    case CUDA_ERROR_NOT_FOUND: *out = "CUDA_ERROR_NOT_FOUND"; break;
-    case CUDA_ERROR_LAUNCH_FAILED: *out = "CUDA_ERROR_LAUNCH_FAILED"; break;
-    case CUDA_ERROR_ILLEGAL_ADDRESS: *out = "CUDA_ERROR_ILLEGAL_ADDRESS"; break;
+#define FAKE_NAME(code) \
+  case code: *out = #code; break;
+    FAKE_NAME(CUDA_SUCCESS)
+    FAKE_NAME(CUDA_ERROR_INVALID_VALUE)
+    FAKE_NAME(CUDA_ERROR_OUT_OF_MEMORY)
+    FAKE_NAME(CUDA_ERROR_NOT_INITIALIZED)
+    FAKE_NAME(CUDA_ERROR_NO_DEVICE)
+    FAKE_NAME(CUDA_ERROR_INVALID_DEVICE)
+    FAKE_NAME(CUDA_ERROR_INVALID_IMAGE)
+    FAKE_NAME(CUDA_ERROR_INVALID_CONTEXT)
+    FAKE_NAME(CUDA_ERROR_INVALID_HANDLE)
+    FAKE_NAME(CUDA_ERROR_NOT_FOUND)
+    FAKE_NAME(CUDA_ERROR_NOT_READY)
+    FAKE_NAME(CUDA_ERROR_ILLEGAL_ADDRESS)
+    FAKE_NAME(CUDA_ERROR_LAUNCH_FAILED)
+    FAKE_NAME(CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES)
+    FAKE_NAME(CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED)
+    FAKE_NAME(CUDA_ERROR_PEER_ACCESS_UNSUPPORTED)
+    FAKE_NAME(CUDA_ERROR_NOT_SUPPORTED)
+#undef FAKE_NAME
     default: *out = nullptr; return CUDA_ERROR_INVALID_VALUE;
   }
   return CUDA_SUCCESS;
@@ -190,7 +411,8 @@ CUresult CUDAAPI cuDeviceGetAttribute(int* value, CUdevice_attribute attribute, 
     case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR: *value = 9; break;
     case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR: *value = 0; break;
     case CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT: *value = 132; break;
-    case CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS: *value = 1; break;
+    case CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS: *value = memops_supported() ? 1 : 0; break;
+    case CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING: *value = 1; break;
     default: *value = 0; break;
   }
   return CUDA_SUCCESS;
@@ -198,19 +420,19 @@ CUresult CUDAAPI cuDeviceGetAttribute(int* value, CUdevice_attribute attribute, 
 
 CUresult CUDAAPI cuDeviceTotalMem(size_t* bytes, CUdevice device) {
   std::lock_guard lock(g_mutex);
-  *bytes = devices().at(static_cast<std::size_t>(device)).capacity;
+  *bytes = devices().at(static_cast<std::size_t>(device))->capacity;
   return CUDA_SUCCESS;
 }
 
-CUresult CUDAAPI cuDeviceCanAccessPeer(int* can, CUdevice, CUdevice) {
-  *can = 1;
+CUresult CUDAAPI cuDeviceCanAccessPeer(int* can, CUdevice device, CUdevice peer) {
+  *can = device != peer && env_number("FAKE_CUDA_NO_PEER", 0) == 0 ? 1 : 0;
   return CUDA_SUCCESS;
 }
 
 CUresult CUDAAPI cuDevicePrimaryCtxRetain(CUcontext* context, CUdevice device) {
   FAKE_INJECT(cuDevicePrimaryCtxRetain);
   std::lock_guard lock(g_mutex);
-  *context = reinterpret_cast<CUcontext>(&devices().at(static_cast<std::size_t>(device)));
+  *context = reinterpret_cast<CUcontext>(devices().at(static_cast<std::size_t>(device)));
   return CUDA_SUCCESS;
 }
 
@@ -223,10 +445,25 @@ CUresult CUDAAPI cuCtxSetCurrent(CUcontext context) {
 
 CUresult CUDAAPI cuCtxSynchronize() {
   FAKE_INJECT(cuCtxSynchronize);
-  return t_current ? CUDA_SUCCESS : CUDA_ERROR_INVALID_CONTEXT;
+  if (!t_current) return CUDA_ERROR_INVALID_CONTEXT;
+  std::vector<FakeStream*> streams;
+  {
+    std::lock_guard lock(g_mutex);
+    streams = t_current->streams;
+  }
+  for (FakeStream* s : streams) s->synchronize();
+  return static_cast<CUresult>(t_current->sticky.load());
 }
 
-CUresult CUDAAPI cuCtxEnablePeerAccess(CUcontext, unsigned int) { return CUDA_SUCCESS; }
+CUresult CUDAAPI cuCtxEnablePeerAccess(CUcontext peer, unsigned int) {
+  FAKE_STICKY();
+  if (!t_current) return CUDA_ERROR_INVALID_CONTEXT;
+  const auto* other = reinterpret_cast<FakeDevice*>(peer);
+  if (other == t_current || env_number("FAKE_CUDA_NO_PEER", 0) != 0) return CUDA_ERROR_PEER_ACCESS_UNSUPPORTED;
+  std::lock_guard lock(g_mutex);
+  if (!t_current->peers.insert(other->ordinal).second) return CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED;
+  return CUDA_SUCCESS;
+}
 
 CUresult CUDAAPI cuMemGetInfo(size_t* free, size_t* total) {
   std::lock_guard lock(g_mutex);
@@ -238,11 +475,12 @@ CUresult CUDAAPI cuMemGetInfo(size_t* free, size_t* total) {
 
 CUresult CUDAAPI cuMemAlloc(CUdeviceptr* pointer, size_t size) {
   FAKE_INJECT(cuMemAlloc);
+  FAKE_STICKY();
   std::lock_guard lock(g_mutex);
   if (!t_current) return CUDA_ERROR_INVALID_CONTEXT;
   if (size == 0) return CUDA_ERROR_INVALID_VALUE;
   if (size > t_current->capacity - t_current->used) return CUDA_ERROR_OUT_OF_MEMORY;
-  void* p = std::malloc(size);
+  void* p = std::aligned_alloc(256, (size + 255) / 256 * 256);
   if (!p) return CUDA_ERROR_OUT_OF_MEMORY;
   t_current->allocations[reinterpret_cast<std::uintptr_t>(p)] = size;
   t_current->used += size;
@@ -253,11 +491,11 @@ CUresult CUDAAPI cuMemAlloc(CUdeviceptr* pointer, size_t size) {
 CUresult CUDAAPI cuMemFree(CUdeviceptr pointer) {
   FAKE_INJECT(cuMemFree);
   std::lock_guard lock(g_mutex);
-  for (FakeDevice& d : devices()) {
-    auto it = d.allocations.find(static_cast<std::uintptr_t>(pointer));
-    if (it == d.allocations.end()) continue;
-    d.used -= it->second;
-    d.allocations.erase(it);
+  for (FakeDevice* d : devices()) {
+    auto it = d->allocations.find(static_cast<std::uintptr_t>(pointer));
+    if (it == d->allocations.end()) continue;
+    d->used -= it->second;
+    d->allocations.erase(it);
     std::free(reinterpret_cast<void*>(pointer));
     return CUDA_SUCCESS;
   }
@@ -267,7 +505,7 @@ CUresult CUDAAPI cuMemFree(CUdeviceptr pointer) {
 CUresult CUDAAPI cuMemHostAlloc(void** pointer, size_t size, unsigned int) {
   FAKE_INJECT(cuMemHostAlloc);
   std::lock_guard lock(g_mutex);
-  void* p = std::malloc(size ? size : 1);
+  void* p = std::aligned_alloc(4096, (std::max<std::size_t>(size, 1) + 4095) / 4096 * 4096);
   if (!p) return CUDA_ERROR_OUT_OF_MEMORY;
   host_allocations()[reinterpret_cast<std::uintptr_t>(p)] = size;
   *pointer = p;
@@ -281,39 +519,44 @@ CUresult CUDAAPI cuMemFreeHost(void* pointer) {
   return CUDA_SUCCESS;
 }
 
-namespace {
-CUresult device_copy(void* dest, const void* src, std::size_t size, bool dest_device, bool src_device) {
+CUresult CUDAAPI cuMemHostGetDevicePointer(CUdeviceptr* device_pointer, void* pointer, unsigned int flags) {
+  FAKE_INJECT(cuMemHostGetDevicePointer);
   std::lock_guard lock(g_mutex);
-  if (dest_device && !inside_any(reinterpret_cast<std::uintptr_t>(dest), size)) return CUDA_ERROR_INVALID_VALUE;
-  if (src_device && !inside_any(reinterpret_cast<std::uintptr_t>(src), size)) return CUDA_ERROR_INVALID_VALUE;
-  std::memmove(dest, src, size);
+  if (flags != 0 || !inside_host(reinterpret_cast<std::uintptr_t>(pointer), 1)) return CUDA_ERROR_INVALID_VALUE;
+  *device_pointer = reinterpret_cast<CUdeviceptr>(pointer);  // unified addressing: the same address
   return CUDA_SUCCESS;
 }
-}  // namespace
 
 CUresult CUDAAPI cuMemcpyHtoD(CUdeviceptr dest, const void* src, size_t size) {
   FAKE_INJECT(cuMemcpyHtoD);
-  return device_copy(reinterpret_cast<void*>(dest), src, size, true, false);
+  FAKE_STICKY();
+  if (CUresult r = check_copy(dest, 0, size, true, false); r != CUDA_SUCCESS) return r;
+  return device_copy(reinterpret_cast<void*>(dest), src, size);
 }
 CUresult CUDAAPI cuMemcpyDtoH(void* dest, CUdeviceptr src, size_t size) {
   FAKE_INJECT(cuMemcpyDtoH);
-  return device_copy(dest, reinterpret_cast<const void*>(src), size, false, true);
+  FAKE_STICKY();
+  if (CUresult r = check_copy(0, src, size, false, true); r != CUDA_SUCCESS) return r;
+  return device_copy(dest, reinterpret_cast<const void*>(src), size);
 }
-CUresult CUDAAPI cuMemcpyHtoDAsync(CUdeviceptr dest, const void* src, size_t size, CUstream) {
-  return device_copy(reinterpret_cast<void*>(dest), src, size, true, false);
-}
-CUresult CUDAAPI cuMemcpyDtoHAsync(void* dest, CUdeviceptr src, size_t size, CUstream) {
-  return device_copy(dest, reinterpret_cast<const void*>(src), size, false, true);
-}
-CUresult CUDAAPI cuMemcpyDtoDAsync(CUdeviceptr dest, CUdeviceptr src, size_t size, CUstream) {
-  return device_copy(reinterpret_cast<void*>(dest), reinterpret_cast<const void*>(src), size, true, true);
-}
-CUresult CUDAAPI cuMemcpyPeerAsync(CUdeviceptr dest, CUcontext, CUdeviceptr src, CUcontext, size_t size, CUstream) {
-  return device_copy(reinterpret_cast<void*>(dest), reinterpret_cast<const void*>(src), size, true, true);
+CUresult CUDAAPI cuMemcpyAsync(CUdeviceptr dest, CUdeviceptr src, size_t size, CUstream stream) {
+  FAKE_INJECT(cuMemcpyAsync);
+  FAKE_STICKY();
+  // Unified addressing: either end may be host memory; the device ends are checked when it runs.
+  return submit(stream, [=] {
+    {
+      std::lock_guard lock(g_mutex);
+      const bool dest_ok = inside_any(dest, size) || !inside_any(dest, 1);
+      const bool src_ok = inside_any(src, size) || !inside_any(src, 1);
+      if (!dest_ok || !src_ok) return CUDA_ERROR_ILLEGAL_ADDRESS;
+    }
+    return device_copy(reinterpret_cast<void*>(dest), reinterpret_cast<const void*>(src), size);
+  });
 }
 
 CUresult CUDAAPI cuModuleLoadData(CUmodule* module, const void* image) {
   FAKE_INJECT(cuModuleLoadData);
+  FAKE_STICKY();
   const auto* bytes = static_cast<const char*>(image);
   std::size_t size = 0;
   if (std::memcmp(bytes, "\x7f" "ELF", 4) == 0) {
@@ -340,10 +583,11 @@ CUresult CUDAAPI cuModuleUnload(CUmodule module) {
 
 CUresult CUDAAPI cuModuleGetFunction(CUfunction* function, CUmodule module, const char* name) {
   const auto* m = reinterpret_cast<const FakeModule*>(module);
-  // The name must be in the image (as a NUL-terminated symbol name) and have a host version here.
-  const std::string symbol = std::string(name) + '\0';
+  // The name must be in the image (as a symbol name) and have a host version here.
   const auto kernel = kernels().find(std::string_view(name));
-  if (m->image.find(symbol) == std::string::npos || kernel == kernels().end()) return CUDA_ERROR_NOT_FOUND;
+  const bool in_image = m->image.find(std::string(name) + '\0') != std::string::npos ||
+                        m->image.find(std::string(name) + '(') != std::string::npos;  // PTX: .entry name(
+  if (!in_image || kernel == kernels().end()) return CUDA_ERROR_NOT_FOUND;
   static std::mutex functions_mutex;
   static auto* functions = new std::map<std::string, FakeFunction>;
   std::lock_guard lock(functions_mutex);
@@ -353,10 +597,13 @@ CUresult CUDAAPI cuModuleGetFunction(CUfunction* function, CUmodule module, cons
 }
 
 CUresult CUDAAPI cuLaunchKernel(CUfunction function, unsigned int gx, unsigned int gy, unsigned int gz,
-                                unsigned int bx, unsigned int by, unsigned int bz, unsigned int, CUstream, void**,
-                                void** extra) {
+                                unsigned int bx, unsigned int by, unsigned int bz, unsigned int, CUstream stream,
+                                void**, void** extra) {
   FAKE_INJECT(cuLaunchKernel);
-  if (gx * gy * gz == 0 || bx * by * bz == 0 || bx * by * bz > 1024) return CUDA_ERROR_INVALID_VALUE;
+  FAKE_STICKY();
+  if (!t_current) return CUDA_ERROR_INVALID_CONTEXT;
+  if (std::size_t{gx} * gy * gz == 0 || std::size_t{bx} * by * bz == 0 || std::size_t{bx} * by * bz > 1024)
+    return CUDA_ERROR_INVALID_VALUE;
   const std::byte* params = nullptr;
   std::size_t size = 0;
   for (void** e = extra; e && *e != CU_LAUNCH_PARAM_END; e += 2) {
@@ -364,29 +611,105 @@ CUresult CUDAAPI cuLaunchKernel(CUfunction function, unsigned int gx, unsigned i
     if (*e == CU_LAUNCH_PARAM_BUFFER_SIZE) size = *static_cast<const std::size_t*>(e[1]);
   }
   if (!params) return CUDA_ERROR_INVALID_VALUE;
-  // A kernel touching memory the fake did not hand out would be an illegal address on a GPU.
-  for (std::size_t i = 0; i + 8 <= size && i < 24; i += 8) {
-    std::uint64_t address = 0;
-    std::memcpy(&address, params + i, 8);
-    std::lock_guard lock(g_mutex);
-    if (!inside_any(address, 1)) return CUDA_ERROR_ILLEGAL_ADDRESS;
+  const auto* f = reinterpret_cast<const FakeFunction*>(function);
+  if (size < static_cast<std::size_t>(f->kernel.pointers) * 8) return CUDA_ERROR_INVALID_VALUE;
+  // The driver copies the arguments at launch: the caller may reuse its buffer at once.
+  std::vector<std::byte> args(params, params + size);
+  FakeDevice* device = t_current;
+  return submit(stream, [f, device, args = std::move(args), grid = Dim{gx, gy, gz}, block = Dim{bx, by, bz}] {
+    if (CUresult r = injected("run:" + f->name); r != CUDA_SUCCESS) return r;
+    // A kernel touching memory its device cannot reach is an illegal address on a GPU.
+    {
+      std::lock_guard lock(g_mutex);
+      for (int i = 0; i < f->kernel.pointers; ++i)
+        if (!reachable(*device, param<std::uint64_t>(args.data(), 8 * static_cast<std::size_t>(i)), 1))
+          return CUDA_ERROR_ILLEGAL_ADDRESS;
+    }
+    f->kernel.run(args.data(), args.size(), grid, block);
+    return CUDA_SUCCESS;
+  });
+}
+
+CUresult CUDAAPI cuLaunchHostFunc(CUstream stream, CUhostFn fn, void* data) {
+  FAKE_INJECT(cuLaunchHostFunc);
+  FAKE_STICKY();
+  return submit(stream, [=] {
+    fn(data);
+    return CUDA_SUCCESS;
+  });
+}
+
+CUresult CUDAAPI cuStreamWriteValue64(CUstream stream, CUdeviceptr address, cuuint64_t value, unsigned int) {
+  FAKE_INJECT(cuStreamWriteValue64);
+  FAKE_STICKY();
+  if (!memops_supported()) return CUDA_ERROR_NOT_SUPPORTED;
+  if (CUresult r = check_word(address); r != CUDA_SUCCESS) return r;
+  return submit(stream, [=] { return write_value(address, value); });
+}
+
+CUresult CUDAAPI cuStreamWaitValue64(CUstream stream, CUdeviceptr address, cuuint64_t value, unsigned int flags) {
+  FAKE_INJECT(cuStreamWaitValue64);
+  FAKE_STICKY();
+  if (!memops_supported() || flags != CU_STREAM_WAIT_VALUE_GEQ) return CUDA_ERROR_NOT_SUPPORTED;
+  if (CUresult r = check_word(address); r != CUDA_SUCCESS) return r;
+  return submit(stream, [=] { return wait_value(address, value); });
+}
+
+CUresult CUDAAPI cuStreamBatchMemOp(CUstream stream, unsigned int count, CUstreamBatchMemOpParams* ops,
+                                    unsigned int flags) {
+  FAKE_INJECT(cuStreamBatchMemOp);
+  FAKE_STICKY();
+  if (!memops_supported()) return CUDA_ERROR_NOT_SUPPORTED;
+  if (count == 0 || count > 256 || flags != 0) return CUDA_ERROR_INVALID_VALUE;
+  std::vector<CUstreamBatchMemOpParams> batch(ops, ops + count);
+  for (const CUstreamBatchMemOpParams& op : batch) {
+    if (op.operation == CU_STREAM_MEM_OP_WAIT_VALUE_64) {
+      if (op.waitValue.flags != CU_STREAM_WAIT_VALUE_GEQ) return CUDA_ERROR_NOT_SUPPORTED;
+      if (CUresult r = check_word(op.waitValue.address); r != CUDA_SUCCESS) return r;
+    } else if (op.operation == CU_STREAM_MEM_OP_WRITE_VALUE_64) {
+      if (CUresult r = check_word(op.writeValue.address); r != CUDA_SUCCESS) return r;
+    } else {
+      return CUDA_ERROR_NOT_SUPPORTED;
+    }
   }
-  reinterpret_cast<FakeFunction*>(function)->run(params, size);
-  return CUDA_SUCCESS;
+  return submit(stream, [batch = std::move(batch)] {
+    for (const CUstreamBatchMemOpParams& op : batch) {
+      if (op.operation == CU_STREAM_MEM_OP_WAIT_VALUE_64) wait_value(op.waitValue.address, op.waitValue.value64);
+      else write_value(op.writeValue.address, op.writeValue.value64);
+    }
+    return CUDA_SUCCESS;
+  });
 }
 
 CUresult CUDAAPI cuStreamCreate(CUstream* stream, unsigned int) {
   FAKE_INJECT(cuStreamCreate);
-  *stream = reinterpret_cast<CUstream>(new int(0));
+  FAKE_STICKY();
+  if (!t_current) return CUDA_ERROR_INVALID_CONTEXT;
+  auto* s = new FakeStream(t_current);
+  std::lock_guard lock(g_mutex);
+  t_current->streams.push_back(s);
+  *stream = reinterpret_cast<CUstream>(s);
   return CUDA_SUCCESS;
 }
 CUresult CUDAAPI cuStreamDestroy(CUstream stream) {
-  delete reinterpret_cast<int*>(stream);
+  FakeStream* s = stream_of(stream);
+  s->synchronize();
+  {
+    std::lock_guard lock(g_mutex);
+    std::erase(s->device->streams, s);
+  }
+  delete s;
   return CUDA_SUCCESS;
 }
-CUresult CUDAAPI cuStreamSynchronize(CUstream) {
+CUresult CUDAAPI cuStreamSynchronize(CUstream stream) {
   FAKE_INJECT(cuStreamSynchronize);
-  return CUDA_SUCCESS;
+  if (!stream) return t_current ? static_cast<CUresult>(t_current->sticky.load()) : CUDA_ERROR_INVALID_CONTEXT;
+  return stream_of(stream)->synchronize();
+}
+CUresult CUDAAPI cuStreamQuery(CUstream stream) {
+  FAKE_INJECT(cuStreamQuery);
+  if (!stream) return CUDA_SUCCESS;
+  return stream_of(stream)->query();
 }
 
 CUresult CUDAAPI cuEventCreate(CUevent* event, unsigned int) {
@@ -397,17 +720,42 @@ CUresult CUDAAPI cuEventDestroy(CUevent event) {
   delete reinterpret_cast<FakeEvent*>(event);
   return CUDA_SUCCESS;
 }
-CUresult CUDAAPI cuEventRecord(CUevent event, CUstream) {
+CUresult CUDAAPI cuEventRecord(CUevent event, CUstream stream) {
+  FAKE_STICKY();
   auto* e = reinterpret_cast<FakeEvent*>(event);
-  e->at = std::chrono::steady_clock::now();
-  e->recorded = true;
+  std::uint64_t record;
+  {
+    std::lock_guard lock(e->mutex);
+    record = ++e->recorded;
+  }
+  return submit(stream, [e, record] {
+    {
+      std::lock_guard lock(e->mutex);
+      if (e->recorded == record) {
+        e->at = std::chrono::steady_clock::now();
+        e->completed = record;
+      }
+    }
+    e->done_cv.notify_all();
+    return CUDA_SUCCESS;
+  });
+}
+CUresult CUDAAPI cuEventSynchronize(CUevent event) {
+  auto* e = reinterpret_cast<FakeEvent*>(event);
+  std::unique_lock lock(e->mutex);
+  // Also ends when the context fails: the record then never completes.
+  while (e->completed != e->recorded) {
+    e->done_cv.wait_for(lock, std::chrono::milliseconds(1));
+    if (t_current && t_current->sticky.load() != CUDA_SUCCESS) return static_cast<CUresult>(t_current->sticky.load());
+  }
   return CUDA_SUCCESS;
 }
-CUresult CUDAAPI cuEventSynchronize(CUevent) { return CUDA_SUCCESS; }
 CUresult CUDAAPI cuEventElapsedTime(float* ms, CUevent start, CUevent end) {
-  const auto* s = reinterpret_cast<FakeEvent*>(start);
-  const auto* e = reinterpret_cast<FakeEvent*>(end);
-  if (!s->recorded || !e->recorded) return CUDA_ERROR_INVALID_HANDLE;
+  auto* s = reinterpret_cast<FakeEvent*>(start);
+  auto* e = reinterpret_cast<FakeEvent*>(end);
+  std::scoped_lock lock(s->mutex, e->mutex);
+  if (s->completed == 0 || e->completed == 0) return CUDA_ERROR_INVALID_HANDLE;
+  if (s->completed != s->recorded || e->completed != e->recorded) return CUDA_ERROR_NOT_READY;
   *ms = std::chrono::duration<float, std::milli>(e->at - s->at).count();
   return CUDA_SUCCESS;
 }

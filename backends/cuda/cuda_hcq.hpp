@@ -1,0 +1,181 @@
+// backends/cuda/cuda_hcq.hpp (installed as <tinydev/cuda/cuda_hcq.hpp>): a CUDA GPU as an HCQ
+// device (docs/cuda.md). Free of CUDA's headers: driver handles appear as opaque pointers here,
+// so code that includes this (the conformance suite) needs no CUDA toolkit.
+//
+// Note [CUDA queues]
+// Each device has two non-blocking streams, one per lane: compute queues run on the compute
+// stream, copy queues on the copy stream. Submitting a queue issues its commands on that stream:
+// `signal` and `wait` are 64-bit stream memory operations on the signal's slot (neighbouring ones
+// in one cuStreamBatchMemOp), `exec` is cuLaunchKernel with the packed argument buffer (the
+// driver copies it at launch), `copy` is cuMemcpyAsync (unified addressing: device and pinned host
+// memory alike), `timestamp` launches a one-thread kernel that stores %globaltimer. Signal slots
+// live in pinned, device-mapped host memory shared by every CUDA device (one pool), so a GPU
+// reads and writes them directly and one device's queue can wait on another's signals. A GPU's
+// write wakes no host thread: host waiters poll (Note [Polled signals] in tinydev/signal.hpp).
+// Where the device lacks 64-bit stream memory operations, signal and wait fall back to host
+// functions on the stream (cuLaunchHostFunc), slower but with the same semantics.
+//
+// Note [CUDA failures]
+// A driver call that fails while a queue is submitted poisons every signal the rest of that queue
+// would have set (their waiters get the driver's error instead of hanging) and throws. A sticky
+// error (an illegal address, a failed launch, seen at submit or found by a waiting host) makes the
+// context unusable: the device's timeline is poisoned with the driver's error name and string,
+// and every later call on the device throws an Error saying so.
+//
+// Ownership: devices live as long as the process; the primary context each retains is released
+// at exit, after finishing its work (Note [CUDA at exit] in cuda_device.cpp). A queue references
+// the programs it was recorded with; they must outlive its work (a graph keeps its own alive).
+// Thread safety: as HCQCompiled; submissions to one device are serialized by its submit mutex.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "tinydev/hcq.hpp"
+
+namespace tinydev::cuda {
+
+struct DeviceState;  // cuda_device.cpp: the context, streams and driver table of one GPU
+class CudaHCQDevice;
+
+// A kernel loaded into one GPU's context.
+class CudaProgram final : public Program {
+ public:
+  CudaProgram(std::string name, CudaHCQDevice& device, void* module, void* function);
+  ~CudaProgram() override;
+
+  // Launches on the compute stream, ordered after the work submitted to the device before it
+  // (it takes a timeline value). `global` is the grid (blocks), `local` the block (threads).
+  std::optional<double> operator()(std::span<const Allocation> buffers, std::span<const std::int32_t> values = {},
+                                   const LaunchParams& params = {}) override;
+
+  const std::string& device() const noexcept;
+  void* function() const noexcept { return function_; }  // the CUfunction
+
+ private:
+  CudaHCQDevice& device_;
+  void* module_;    // CUmodule
+  void* function_;  // CUfunction
+};
+
+// One recorded command (a queue's word). Which fields matter depends on `kind`.
+struct CudaCommand {
+  CommandKind kind{};
+  SignalSlot* slot = nullptr;  // signal, wait, timestamp (its address is also the GPU's: Note [CUDA queues])
+  std::uint64_t value = 0;
+  const CudaProgram* program = nullptr;  // exec
+  const std::byte* kernargs = nullptr;
+  std::uint32_t kernarg_bytes = 0;
+  Dim3 global{1, 1, 1}, local{1, 1, 1};
+  std::uint64_t dest = 0, src = 0, size = 0;  // copy
+};
+
+enum class CudaLane : std::uint8_t { compute, copy };
+
+struct CudaSignalPrimitives {
+  static CudaCommand signal(const Signal& s, std::uint64_t v) { return {.kind = CommandKind::signal, .slot = &s.slot(), .value = v}; }
+  static CudaCommand wait(const Signal& s, std::uint64_t v) { return {.kind = CommandKind::wait, .slot = &s.slot(), .value = v}; }
+  static CudaCommand timestamp(const Signal& s) { return {.kind = CommandKind::timestamp, .slot = &s.slot()}; }
+  static void update(CudaCommand& c, const std::optional<Signal>& s, const std::optional<std::uint64_t>& v) {
+    if (s) c.slot = &s->slot();
+    if (v) c.value = *v;
+  }
+};
+
+class CudaComputeQueue final : public HWComputeQueue<CudaComputeQueue, CudaCommand, CudaProgram> {
+  // The primitives (tinydev/hcq_concepts.hpp): public for the concept checks; only the queue
+  // templates call them.
+ public:
+  void _signal(const Signal& s, std::uint64_t v) { mutable_commands().push_back(CudaSignalPrimitives::signal(s, v)); }
+  void _wait(const Signal& s, std::uint64_t v) { mutable_commands().push_back(CudaSignalPrimitives::wait(s, v)); }
+  void _timestamp(const Signal& s) { mutable_commands().push_back(CudaSignalPrimitives::timestamp(s)); }
+  void _exec(const CudaProgram& program, const Kernargs& kernargs, Dim3 global, Dim3 local);
+  void _update_signal(std::size_t cmd, const std::optional<Signal>& s, const std::optional<std::uint64_t>& v) {
+    CudaSignalPrimitives::update(*command_words(cmd), s, v);
+  }
+  void _update_wait(std::size_t cmd, const std::optional<Signal>& s, const std::optional<std::uint64_t>& v) {
+    CudaSignalPrimitives::update(*command_words(cmd), s, v);
+  }
+  void _update_exec(std::size_t cmd, Dim3 global, Dim3 local);
+  void _submit(Compiled& device);
+};
+
+class CudaCopyQueue final : public HWCopyQueue<CudaCopyQueue, CudaCommand> {
+ public:
+  void _signal(const Signal& s, std::uint64_t v) { mutable_commands().push_back(CudaSignalPrimitives::signal(s, v)); }
+  void _wait(const Signal& s, std::uint64_t v) { mutable_commands().push_back(CudaSignalPrimitives::wait(s, v)); }
+  void _timestamp(const Signal& s) { mutable_commands().push_back(CudaSignalPrimitives::timestamp(s)); }
+  void _copy(const Allocation& dest, const Allocation& src, std::size_t size) {
+    mutable_commands().push_back(
+        CudaCommand{.kind = CommandKind::copy, .dest = dest.va_addr, .src = src.va_addr, .size = size});
+  }
+  void _update_signal(std::size_t cmd, const std::optional<Signal>& s, const std::optional<std::uint64_t>& v) {
+    CudaSignalPrimitives::update(*command_words(cmd), s, v);
+  }
+  void _update_wait(std::size_t cmd, const std::optional<Signal>& s, const std::optional<std::uint64_t>& v) {
+    CudaSignalPrimitives::update(*command_words(cmd), s, v);
+  }
+  void _update_copy(std::size_t cmd, const std::optional<Allocation>& dest, const std::optional<Allocation>& src);
+  void _submit(Compiled& device);
+};
+
+// Device memory (cuMemAlloc) behind the LRU cache; host=true is pinned, device-mapped host memory
+// (cuMemHostAlloc), which the staging ring's slots are too.
+class CudaAllocator final : public HCQAllocator<CudaHCQDevice> {
+ public:
+  explicit CudaAllocator(CudaHCQDevice& device);
+  ~CudaAllocator() override;
+  std::string describe() const override;
+
+ protected:
+  Allocation alloc_impl(std::size_t size, const BufferOptions& options) override;
+  void free_impl(Allocation allocation, std::size_t size, const BufferOptions& options) override;
+};
+
+class CudaHCQDevice final : public HCQCompiled<CudaComputeQueue, CudaCopyQueue> {
+ public:
+  CudaHCQDevice(const std::string& name, std::shared_ptr<DeviceState> state);
+  ~CudaHCQDevice() override;
+
+  // Every CUDA device's signals: pinned, device-mapped host memory all of them reach.
+  bool can_reach(const SignalPool& pool) const noexcept override;
+  std::vector<TimelineMark> signal_users_now() const override;
+  std::uint64_t device_to_cpu_ns(std::uint64_t device_ns, bool is_copy) const override;
+
+  // Issues `commands` on the lane's stream (Note [CUDA queues], Note [CUDA failures]).
+  void submit_commands(CudaLane lane, const std::vector<CudaCommand>& commands);
+  // Launches a program outside any queue, ordered on the timeline (CudaProgram::operator()).
+  std::optional<double> launch_direct(const CudaProgram& program, const std::byte* args, std::uint32_t bytes,
+                                      Dim3 global, Dim3 local, bool timed);
+  // Before a transfer from this device to `dest`: enables peer access both ways once where the
+  // GPUs allow it (HCQAllocator::transfer calls it). TINYDEV_DEBUG>=2 says which path copies.
+  void prepare_transfer(CudaHCQDevice& dest);
+
+  Kernargs alloc_kernargs(std::uint32_t num_buffers, std::uint32_t num_values);
+  std::shared_ptr<std::byte[]> allocate_kernargs_block(std::size_t bytes) const;
+
+  void synchronize() override;
+  bool supports_graph() const noexcept override { return true; }
+  std::unique_ptr<Graph> create_graph(std::vector<GraphNode> nodes) override;
+  DeviceCapabilities capabilities() const override;
+  std::map<std::string, std::string> properties() const override;
+
+  DeviceState& state() const noexcept { return *state_; }
+  // Throws the Error of a sticky failure seen earlier (Note [CUDA failures]); nothing otherwise.
+  void throw_if_failed() const;
+
+ protected:
+  void on_timeline_wrapped() override;
+  void check_health() const override;
+
+ private:
+  void fail(const std::string& reason) const;
+  std::shared_ptr<DeviceState> state_;
+  KernargsPages kernargs_;
+  bool last_signal_on_compute_ = true;  // the timeline's last value was signalled on the compute stream
+  std::int64_t clock_offset_ns_ = 0;    // host ns - %globaltimer ns, measured at open
+};
+
+}  // namespace tinydev::cuda
