@@ -63,6 +63,15 @@ namespace tinydev::cuda {
   X(cuStreamWaitValue64)                 \
   X(cuStreamBatchMemOp)                  \
   X(cuLaunchHostFunc)                    \
+  X(cuGraphCreate)                       \
+  X(cuGraphDestroy)                      \
+  X(cuGraphAddKernelNode)                \
+  X(cuGraphAddMemcpyNode)                \
+  X(cuGraphInstantiate)                  \
+  X(cuGraphExecDestroy)                  \
+  X(cuGraphExecKernelNodeSetParams)      \
+  X(cuGraphExecMemcpyNodeSetParams)      \
+  X(cuGraphLaunch)                       \
   X(cuEventCreate)                       \
   X(cuEventDestroy)                      \
   X(cuEventRecord)                       \

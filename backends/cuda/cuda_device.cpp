@@ -10,6 +10,7 @@
 #include <charconv>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <set>
@@ -18,39 +19,15 @@
 #include "cuda_api.hpp"
 #include "cuda_compiler.hpp"
 #include "cuda_hcq.hpp"
+#include "cuda_state.hpp"
 #include "tinydev/config.hpp"
 #include "tinydev/counters.hpp"
 #include "tinydev/device.hpp"
 #include "tinydev/error.hpp"
-#include "tinydev/hcq_graph.hpp"
 #include "tinydev/profile.hpp"
 
 namespace tinydev {
 namespace cuda {
-
-// What every object of one device shares. Lives as long as the device (the process).
-struct DeviceState {
-  DeviceState(const Driver& api, std::string name) : api(api), name(std::move(name)) {}
-  const Driver& api;
-  std::string name;
-  int ordinal = 0;
-  CUdevice device = 0;
-  CUcontext context = nullptr;
-  CUstream compute = nullptr, copy = nullptr;  // non-blocking streams, one per lane
-  CUevent start = nullptr, end = nullptr;      // for timed direct launches
-  CUmodule timestamp_module = nullptr;
-  CUfunction timestamp = nullptr;  // tinydev_timestamp(u64*): stores %globaltimer
-  int major = 0, minor = 0;        // compute capability, read once at open
-  bool memops = false;             // CAN_USE_64_BIT_STREAM_MEM_OPS
-  std::atomic<bool> released{false};  // Note [CUDA at exit]
-
-  // Driver calls act on the calling thread's current context.
-  void make_current() const {
-    if (released.load(std::memory_order_acquire))
-      throw Error(fmt::format("{}: the process is exiting and the device's context was released", name));
-    check(api.cuCtxSetCurrent(context), "cuCtxSetCurrent", name);
-  }
-};
 
 namespace {
 
@@ -116,25 +93,6 @@ void check_pools(const Queue& queue, const CudaHCQDevice& device) {
                                         device.name(), pool->name()));
 }
 
-// Errors after which the context is unusable (the driver returns them from every later call).
-bool sticky(CUresult r) {
-  switch (r) {
-    case CUDA_ERROR_ILLEGAL_ADDRESS:
-    case CUDA_ERROR_LAUNCH_FAILED:
-    case CUDA_ERROR_LAUNCH_TIMEOUT:
-    case CUDA_ERROR_ASSERT:
-    case CUDA_ERROR_HARDWARE_STACK_ERROR:
-    case CUDA_ERROR_ILLEGAL_INSTRUCTION:
-    case CUDA_ERROR_MISALIGNED_ADDRESS:
-    case CUDA_ERROR_INVALID_ADDRESS_SPACE:
-    case CUDA_ERROR_INVALID_PC:
-    case CUDA_ERROR_ECC_UNCORRECTABLE:
-      return true;
-    default:
-      return false;
-  }
-}
-
 // The fallback signal and wait (no 64-bit stream memory operations): host functions on the
 // stream. Each record is freed by the callback that consumes it.
 struct HostSignal {
@@ -176,13 +134,6 @@ constexpr char kTimestampPtx[] = R"(.version 8.0
 constexpr std::size_t kMaxArgumentBytes = 32 * 1024;
 // Note [CUDA queue depth]: past this many timeline values in flight, a submit first waits.
 constexpr std::uint64_t kMaxInFlight = 1000;
-
-CUresult launch(const DeviceState& s, CUfunction function, CUstream stream, const std::byte* args, std::size_t bytes,
-                Dim3 g, Dim3 l) {
-  void* extra[] = {CU_LAUNCH_PARAM_BUFFER_POINTER, const_cast<std::byte*>(args), CU_LAUNCH_PARAM_BUFFER_SIZE, &bytes,
-                   CU_LAUNCH_PARAM_END};
-  return s.api.cuLaunchKernel(function, g[0], g[1], g[2], l[0], l[1], l[2], 0, stream, nullptr, extra);
-}
 
 void check_sizes(const std::string& kernel, const std::string& device, Dim3 g, Dim3 l) {
   if (grid_size(g) == 0 || grid_size(l) == 0)
@@ -438,10 +389,7 @@ void CudaHCQDevice::submit_commands(CudaLane lane, const std::vector<CudaCommand
     throw Error(reason);
   };
   // A one-thread kernel storing %globaltimer into the slot's timestamp (Note [CUDA queues]).
-  const auto timestamp = [&](SignalSlot* slot) {
-    const auto out = reinterpret_cast<std::uint64_t>(&slot->timestamp_ns);
-    return launch(s, s.timestamp, stream, reinterpret_cast<const std::byte*>(&out), sizeof out, {1, 1, 1}, {1, 1, 1});
-  };
+  const auto timestamp = [&](SignalSlot* slot) { return static_cast<CUresult>(launch_timestamp(slot, stream)); };
   const auto flush = [&] {
     if (batched == 0) return;
     const unsigned n = batched;
@@ -524,51 +472,80 @@ void CudaHCQDevice::submit_commands(CudaLane lane, const std::vector<CudaCommand
 
 std::optional<double> CudaHCQDevice::launch_direct(const CudaProgram& program, const std::byte* args,
                                                    std::uint32_t bytes, Dim3 global, Dim3 local, bool timed) {
+  const DeviceState& s = *state_;
+  const auto function = static_cast<CUfunction>(program.function());
+  const std::optional<double> seconds = run_ordered(
+      [&](void* stream) { return launch(s, function, static_cast<CUstream>(stream), args, bytes, global, local); },
+      fmt::format("launching '{}'", program.name()), timed, program.name());
+  const std::int64_t launched = GlobalCounters::kernel_count.fetch_add(1, std::memory_order_relaxed) + 1;
+  if (seconds) {
+    GlobalCounters::time_sum.fetch_add(*seconds, std::memory_order_relaxed);
+    debug_log(2, "*** {:<7} {:>6} {:<40} tm {:9.2f}us", name(), launched, program.name(), *seconds * 1e6);
+  } else {
+    debug_log(2, "*** {:<7} {:>6} {:<40} {:>4} B of arguments", name(), launched, program.name(), bytes);
+  }
+  return seconds;
+}
+
+int CudaHCQDevice::launch_timestamp(SignalSlot* slot, void* stream) {
+  const auto out = reinterpret_cast<std::uint64_t>(&slot->timestamp_ns);
+  return launch(*state_, state_->timestamp, static_cast<CUstream>(stream), reinterpret_cast<const std::byte*>(&out),
+                sizeof out, {1, 1, 1}, {1, 1, 1});
+}
+
+std::optional<double> CudaHCQDevice::run_ordered(const std::function<int(void* stream)>& work, std::string_view what,
+                                                 bool timed, std::string_view profile_name) {
   std::lock_guard lock(submit_mutex());
   throw_if_failed();
   const DeviceState& s = *state_;
   const std::uint64_t value = next_timeline_value();
   // The timeline value is taken: whatever happens, it is signalled (or the device has failed).
-  std::vector<CudaCommand> commands;
-  if (!last_signal_on_compute_) commands.push_back(CudaSignalPrimitives::wait(timeline_signal(), value - 1));
-  commands.push_back(CudaSignalPrimitives::signal(timeline_signal(), value));
-  const auto finish = [&] {
-    submit_commands(CudaLane::compute, commands);
+  const auto signal = [&] {
+    submit_commands(CudaLane::compute, {CudaSignalPrimitives::signal(timeline_signal(), value)});
     last_signal_on_compute_ = true;
   };
   try {
-    if (commands.size() == 2) {
-      submit_commands(CudaLane::compute, {commands[0]});
-      commands.erase(commands.begin());
-    }
+    // Work on the copy stream is ordered by the timeline; the compute stream's own order covers
+    // what was signalled from it.
+    if (!last_signal_on_compute_)
+      submit_commands(CudaLane::compute, {CudaSignalPrimitives::wait(timeline_signal(), value - 1)});
     s.make_current();
+    // Profiling: the work's span from two timestamps around it, read at the next synchronize.
+    std::optional<ProfileRecord> span;
+    if (!profile_name.empty() && profiling()) [[unlikely]] {
+      span = ProfileRecord{alloc_signal(), alloc_signal(), std::string(profile_name), false};
+      check(static_cast<CUresult>(launch_timestamp(&span->start.slot(), s.compute)), "launching the timestamp kernel",
+            name());
+    }
     if (timed) check(s.api.cuEventRecord(s.start, s.compute), "cuEventRecord", name());
-    if (const CUresult r = launch(s, static_cast<CUfunction>(program.function()), s.compute, args, bytes, global, local);
-        r != CUDA_SUCCESS) [[unlikely]] {
-      const std::string reason = fmt::format("{}: launching '{}' failed: {}", name(), program.name(), describe(r));
+    if (const auto r = static_cast<CUresult>(work(s.compute)); r != CUDA_SUCCESS) [[unlikely]] {
+      const std::string reason = fmt::format("{}: {} failed: {}", name(), what, describe(r));
       if (sticky(r)) fail(reason);
+      if (span) {
+        free_signal(span->start);
+        free_signal(span->end);
+      }
       throw Error(reason);
     }
     if (timed) check(s.api.cuEventRecord(s.end, s.compute), "cuEventRecord", name());
+    if (span) {
+      check(static_cast<CUresult>(launch_timestamp(&span->end.slot(), s.compute)), "launching the timestamp kernel",
+            name());
+      add_profile_record(std::move(*span));
+    }
   } catch (...) {
     // Nothing of this call runs: the timeline moves on (a non-sticky failure leaves the device usable).
-    if (!timeline_signal().slot().poisoned.load()) finish();
+    if (!timeline_signal().slot().poisoned.load()) signal();
     throw;
   }
-  finish();
-  const std::int64_t launched = GlobalCounters::kernel_count.fetch_add(1, std::memory_order_relaxed) + 1;
-  if (!timed) {
-    debug_log(2, "*** {:<7} {:>6} {:<40} {:>4} B of arguments", name(), launched, program.name(), bytes);
-    return std::nullopt;
-  }
+  signal();
+  last_ordered_value_ = value;
+  if (!timed) return std::nullopt;
   wait_timeline(value);
-  check(s.api.cuEventSynchronize(s.end), fmt::format("running '{}'", program.name()), name());
+  check(s.api.cuEventSynchronize(s.end), fmt::format("{} (waiting for it)", what), name());
   float ms = 0;
   check(s.api.cuEventElapsedTime(&ms, s.start, s.end), "cuEventElapsedTime", name());
-  const double seconds = ms / 1e3;
-  GlobalCounters::time_sum.fetch_add(seconds, std::memory_order_relaxed);
-  debug_log(2, "*** {:<7} {:>6} {:<40} tm {:9.2f}us", name(), launched, program.name(), seconds * 1e6);
-  return seconds;
+  return ms / 1e3;
 }
 
 void CudaHCQDevice::prepare_transfer(CudaHCQDevice& dest) {
@@ -614,10 +591,6 @@ void CudaHCQDevice::synchronize() {
   throw_if_failed();
   HCQCompiled::synchronize();
   throw_if_failed();
-}
-
-std::unique_ptr<Graph> CudaHCQDevice::create_graph(std::vector<GraphNode> nodes) {
-  return std::make_unique<HCQGraph<CudaHCQDevice>>(*this, std::move(nodes));
 }
 
 void CudaHCQDevice::on_timeline_wrapped() {
@@ -681,9 +654,15 @@ int ordinal_of(const std::string& canonical_name) {
 // work, then releases the context; from then on the device refuses calls instead of touching a
 // dead context, and frees of its memory are skipped (the context took it along).
 void release_at_exit() {
-  LiveDevices& live = live_devices();
-  std::lock_guard lock(live.mutex);
-  for (CudaHCQDevice* device : live.devices) {
+  std::vector<CudaHCQDevice*> devices;
+  {
+    // Not held while synchronizing: a synchronize takes the device's submit mutex, which is
+    // taken before this one elsewhere (free_signal -> signal_users_now).
+    LiveDevices& live = live_devices();
+    std::lock_guard lock(live.mutex);
+    devices = live.devices;
+  }
+  for (CudaHCQDevice* device : devices) {
     try {
       device->synchronize();
     } catch (const std::exception& e) {

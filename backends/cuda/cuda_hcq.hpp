@@ -29,9 +29,11 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 
 #include "tinydev/hcq.hpp"
 
@@ -149,6 +151,15 @@ class CudaHCQDevice final : public HCQCompiled<CudaComputeQueue, CudaCopyQueue> 
   // Launches a program outside any queue, ordered on the timeline (CudaProgram::operator()).
   std::optional<double> launch_direct(const CudaProgram& program, const std::byte* args, std::uint32_t bytes,
                                       Dim3 global, Dim3 local, bool timed);
+  // Runs `work(compute stream)` (a CUresult-returning driver call) ordered on the timeline: after
+  // everything submitted before, before everything submitted after. A failure throws `what`
+  // with the driver's error (a sticky one fails the device); the timeline moves on either way.
+  // Returns the seconds between events around the work when `timed` (then it waits for it).
+  // When profiling, the work's span goes in the trace under `profile_name` (if not empty).
+  std::optional<double> run_ordered(const std::function<int(void* stream)>& work, std::string_view what, bool timed,
+                                    std::string_view profile_name = {});
+  // The timeline value the last run_ordered signals when done.
+  std::uint64_t last_ordered_value() const noexcept { return last_ordered_value_; }
   // Before a transfer from this device to `dest`: enables peer access both ways once where the
   // GPUs allow it (HCQAllocator::transfer calls it). TINYDEV_DEBUG>=2 says which path copies.
   void prepare_transfer(CudaHCQDevice& dest);
@@ -157,6 +168,7 @@ class CudaHCQDevice final : public HCQCompiled<CudaComputeQueue, CudaCopyQueue> 
   std::shared_ptr<std::byte[]> allocate_kernargs_block(std::size_t bytes) const;
 
   void synchronize() override;
+  // Native CUDA graphs (Note [CUDA graph replay] in cuda_graph.cpp).
   bool supports_graph() const noexcept override { return true; }
   std::unique_ptr<Graph> create_graph(std::vector<GraphNode> nodes) override;
   DeviceCapabilities capabilities() const override;
@@ -172,9 +184,11 @@ class CudaHCQDevice final : public HCQCompiled<CudaComputeQueue, CudaCopyQueue> 
 
  private:
   void fail(const std::string& reason) const;
+  int launch_timestamp(SignalSlot* slot, void* stream);  // the CUresult of the timestamp kernel's launch
   std::shared_ptr<DeviceState> state_;
   KernargsPages kernargs_;
-  bool last_signal_on_compute_ = true;  // the timeline's last value was signalled on the compute stream
+  bool last_signal_on_compute_ = true;
+  std::uint64_t last_ordered_value_ = 0;  // the timeline's last value was signalled on the compute stream
   std::int64_t clock_offset_ns_ = 0;    // host ns - %globaltimer ns, measured at open
 };
 

@@ -93,7 +93,11 @@ concept HCQProgram = std::derived_from<P, Program> && requires(const P& p) {
 //  3. override on_timeline_wrapped() to call its allocator's reset_staging_timelines() (else a
 //     staged copy after a wrap waits for a timeline value that never comes, then times out);
 //  4. override supports_graph() (true) and create_graph() (an HCQGraph<Device>) where graphs are
-//     native; capabilities() with the whole truth about the device.
+//     native; capabilities() with the whole truth about the device;
+//  5. optionally: override check_health() when failures are seen only by asking the hardware
+//     (called while host threads wait on the timeline; poison the timeline there), and define
+//     prepare_transfer(Device& dest), which HCQAllocator::transfer calls before a copy between
+//     two devices (peer mappings).
 // HCQCompiled itself registers the profiler's flush hook once the device is opened (on_opened)
 // and detaches the allocator when a device is destroyed (only a failed open does that).
 template <class D>

@@ -518,3 +518,184 @@ TEST_CASE("cuda fake: a producer far ahead of the GPU blocks at about 1000 opera
   dev->synchronize();
   CHECK(submitted.load() == 1500);
 }
+
+namespace {
+long fake_calls(const char* function) {
+  void* fake = ::dlopen(std::getenv("TINYDEV_CUDA_DRIVER"), RTLD_NOW | RTLD_NOLOAD);
+  REQUIRE(fake);
+  auto* query = reinterpret_cast<long (*)(const char*)>(::dlsym(fake, "fake_cuda_calls"));
+  REQUIRE(query);
+  const long n = query(function);
+  ::dlclose(fake);
+  return n;
+}
+}  // namespace
+
+TEST_CASE("cuda fake: a 100-kernel CUDA graph replays as eager and patches only the nodes whose inputs changed", "[cuda][fake]") {
+  auto* dev = fake_hcq();
+  if (!dev) return;
+  auto add = dev->load_kernel("add", kernels::add_f32(SourceLanguage::CUDA));
+  const std::size_t n = 300;
+  const auto x = random_floats(n, fresh_seed()), y = random_floats(n, fresh_seed());
+  Buffer a(dev->name(), n, dtypes::float32), b(dev->name(), n, dtypes::float32), acc(dev->name(), n, dtypes::float32);
+  a.allocate().copyin(std::span<const float>(x));
+  b.allocate().copyin(std::span<const float>(y));
+  acc.allocate();
+  // acc = in0 + in1, then 99 times acc = acc + in1, then a copy of acc into input 2.
+  const GraphValue count = GraphValue::var(0);
+  std::vector<GraphNode> nodes{GraphKernel{add, {GraphBuffer::of(acc.allocation()), GraphBuffer::in(0), GraphBuffer::in(1)},
+                                           {count}, LaunchParams{.global = {2, 1, 1}, .local = {128, 1, 1}}}};
+  for (int i = 0; i < 99; ++i)
+    nodes.push_back(GraphKernel{add, {GraphBuffer::of(acc.allocation()), GraphBuffer::of(acc.allocation()), GraphBuffer::in(1)},
+                                {count}, LaunchParams{.global = {2, 1, 1}, .local = {128, 1, 1}}});
+  nodes.push_back(GraphCopy{GraphBuffer::in(2), GraphBuffer::of(acc.allocation()), n * sizeof(float)});
+  auto graph = dev->create_graph(std::move(nodes));
+  Buffer out(dev->name(), n, dtypes::float32);
+  out.allocate();
+  const auto expect = [&](const std::vector<float>& p, const std::vector<float>& q) {
+    std::vector<float> want(n), got(n);
+    for (std::size_t i = 0; i < n; ++i) {
+      want[i] = p[i] + q[i];
+      for (int k = 0; k < 99; ++k) want[i] += q[i];
+    }
+    out.copyout(std::span<float>(got));
+    for (std::size_t i = 0; i < n; ++i) REQUIRE(got[i] == want[i]);
+  };
+  const std::int32_t vars[] = {static_cast<std::int32_t>(n)};
+  graph->replay(std::vector<Allocation>{a.allocation(), b.allocation(), out.allocation()}, vars, true);
+  expect(x, y);
+  const long launches = fake_calls("cuGraphLaunch"), kernel_patches = fake_calls("cuGraphExecKernelNodeSetParams");
+  const long copy_patches = fake_calls("cuGraphExecMemcpyNodeSetParams");
+  // The same inputs again: no node is patched.
+  graph->replay(std::vector<Allocation>{a.allocation(), b.allocation(), out.allocation()}, vars);
+  dev->synchronize();
+  CHECK(fake_calls("cuGraphLaunch") == launches + 1);
+  CHECK(fake_calls("cuGraphExecKernelNodeSetParams") == kernel_patches);
+  // Input 0 changed: only the first kernel reads it.
+  const auto z = random_floats(n, fresh_seed());
+  Buffer c(dev->name(), n, dtypes::float32);
+  c.allocate().copyin(std::span<const float>(z));
+  graph->replay(std::vector<Allocation>{c.allocation(), b.allocation(), out.allocation()}, vars);
+  expect(z, y);
+  CHECK(fake_calls("cuGraphExecKernelNodeSetParams") == kernel_patches + 1);
+  // Input 1 changed: all 100 kernels read it; the copy node is untouched.
+  graph->replay(std::vector<Allocation>{c.allocation(), a.allocation(), out.allocation()}, vars);
+  expect(z, x);
+  CHECK(fake_calls("cuGraphExecKernelNodeSetParams") == kernel_patches + 101);
+  CHECK(fake_calls("cuGraphExecMemcpyNodeSetParams") == copy_patches);
+  // Input 2 changed: the copy node is patched.
+  Buffer out2(dev->name(), n, dtypes::float32);
+  out2.allocate();
+  graph->replay(std::vector<Allocation>{c.allocation(), a.allocation(), out2.allocation()}, vars);
+  dev->synchronize();
+  CHECK(fake_calls("cuGraphExecMemcpyNodeSetParams") == copy_patches + 1);
+  std::vector<float> first(n), second(n);
+  out.copyout(std::span<float>(first));
+  out2.copyout(std::span<float>(second));
+  CHECK(first == second);
+}
+
+TEST_CASE("cuda fake: a graph launch the driver refuses is an Error and the device and the graph keep working", "[cuda][fake]") {
+  auto* dev = fake_hcq();
+  if (!dev) return;
+  auto add = dev->load_kernel("add", kernels::add_f32(SourceLanguage::CUDA));
+  const std::size_t n = 64;
+  const auto x = random_floats(n, fresh_seed());
+  Buffer a(dev->name(), n, dtypes::float32), o(dev->name(), n, dtypes::float32);
+  a.allocate().copyin(std::span<const float>(x));
+  o.allocate();
+  auto graph = dev->create_graph({GraphKernel{add, {GraphBuffer::in(0), GraphBuffer::in(1), GraphBuffer::in(1)},
+                                              {GraphValue::of(static_cast<std::int32_t>(n))}}});
+  {
+    FakeEnv fail("FAKE_CUDA_FAIL", "cuGraphLaunch=1");
+    CHECK_THROWS_WITH(graph->replay(std::vector<Allocation>{o.allocation(), a.allocation()}),
+                      Catch::Contains("launching a graph of 1 nodes failed") && Catch::Contains("CUDA_ERROR_INVALID_VALUE"));
+  }
+  graph->replay(std::vector<Allocation>{o.allocation(), a.allocation()}, {}, true);
+  std::vector<float> got(n);
+  o.copyout(std::span<float>(got));
+  for (std::size_t i = 0; i < n; ++i) REQUIRE(got[i] == x[i] + x[i]);
+}
+
+TEST_CASE("cuda gpu: renderer-style kernels match the CPU (elementwise to half - bf16 reduction - shared-memory matmul)", "[cuda][gpu]") {
+  Compiled* dev = gpu();
+  if (!dev) return;
+  if (dev->properties().at("gpu").find("tinydev fake GPU") != std::string::npos)
+    return skip("the fake driver has no host versions of these kernels: a real GPU runs them");
+  const std::uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  const auto load = [&](const char* name) { return dev->load_kernel(name, kRendererStyle); };
+  // E_4096_4: data0[i] = half(data1[i] * 2), 16 blocks of 256 threads.
+  {
+    auto x = random_floats(4096, seed);
+    Buffer in(dev->name(), 4096, dtypes::float32), out(dev->name(), 4096, dtypes::float16);
+    in.allocate().copyin(std::span<const float>(x));
+    out.allocate();
+    const Allocation bufs[] = {out.allocation(), in.allocation()};
+    (*load("E_4096_4"))(bufs, {}, LaunchParams{.global = {16, 1, 1}, .local = {256, 1, 1}});
+    std::vector<std::uint16_t> got(4096);
+    out.copyout(std::span<std::uint16_t>(got));
+    std::size_t wrong = 0;
+    for (std::size_t i = 0; i < 4096; ++i) {
+      const _Float16 want = static_cast<_Float16>(x[i] * 2.0f);
+      std::uint16_t bits;
+      std::memcpy(&bits, &want, 2);
+      wrong += got[i] != bits;
+    }
+    CHECK(wrong == 0);
+  }
+  // r_64_32: data0[g] = the sum of block g's 256 bfloat16 values, in the kernel's order.
+  {
+    std::vector<std::uint16_t> bf(64 * 256);
+    auto x = random_floats(bf.size(), seed + 1);
+    for (std::size_t i = 0; i < bf.size(); ++i) {
+      std::uint32_t w;
+      std::memcpy(&w, &x[i], 4);
+      bf[i] = static_cast<std::uint16_t>(w >> 16);  // truncation: any bf16 value will do as input
+    }
+    Buffer in(dev->name(), bf.size(), dtypes::bfloat16), out(dev->name(), 64, dtypes::float32);
+    in.allocate().copyin(std::span<const std::uint16_t>(bf));
+    out.allocate();
+    const Allocation bufs[] = {out.allocation(), in.allocation()};
+    (*load("r_64_32"))(bufs, {}, LaunchParams{.global = {64, 1, 1}, .local = {32, 1, 1}});
+    std::vector<float> got(64);
+    out.copyout(std::span<float>(got));
+    const auto value = [&](std::size_t i) {
+      const std::uint32_t w = static_cast<std::uint32_t>(bf[i]) << 16;
+      float f;
+      std::memcpy(&f, &w, 4);
+      return f;
+    };
+    for (std::size_t g = 0; g < 64; ++g) {
+      float partial[32];
+      for (std::size_t l = 0; l < 32; ++l) {
+        partial[l] = 0.0f;
+        for (std::size_t r = 0; r < 8; ++r) partial[l] += value(g * 256 + l * 8 + r);
+      }
+      float want = 0.0f;
+      for (float p : partial) want += p;
+      CHECK(got[g] == Approx(want).epsilon(1e-5));
+    }
+  }
+  // r_16_16_16: c = a @ b for 64 x 64 floats, 16 x 16 tiles through shared memory.
+  {
+    const int n = 64;
+    auto a = random_floats(n * n, seed + 2), b = random_floats(n * n, seed + 3);
+    Buffer ba(dev->name(), n * n, dtypes::float32), bb(dev->name(), n * n, dtypes::float32),
+        bc(dev->name(), n * n, dtypes::float32);
+    ba.allocate().copyin(std::span<const float>(a));
+    bb.allocate().copyin(std::span<const float>(b));
+    bc.allocate();
+    const Allocation bufs[] = {bc.allocation(), ba.allocation(), bb.allocation()};
+    const std::int32_t vals[] = {n};
+    (*load("r_16_16_16"))(bufs, vals, LaunchParams{.global = {n / 16, n / 16, 1}, .local = {16, 16, 1}});
+    std::vector<float> got(n * n);
+    bc.copyout(std::span<float>(got));
+    for (int i = 0; i < n; ++i)
+      for (int j = 0; j < n; ++j) {
+        double want = 0;
+        for (int k = 0; k < n; ++k) want += static_cast<double>(a[i * n + k]) * b[k * n + j];
+        REQUIRE(got[i * n + j] == Approx(want).epsilon(1e-4).margin(1e-4));
+      }
+  }
+}

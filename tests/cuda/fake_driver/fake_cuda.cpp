@@ -17,9 +17,12 @@
 //  - FAKE_CUDA_FAIL="cuLaunchKernel=719,cuMemAlloc_v2=2" makes those functions return that
 //    CUresult (read on every call), and "run:add=719" makes kernel `add` fail when it runs (a
 //    sticky error), so the backend's error paths run in CI;
+//  - graphs: kernel and 1-D copy nodes, instantiated, patched (cuGraphExec*NodeSetParams) and
+//    launched on a stream, running their nodes in the order they were added;
 //  - FAKE_CUDA_NO_PEER=1: no device can access another's memory (copies between them still
 //    work, staged by the "driver"); FAKE_CUDA_NO_MEMOPS=1: no 64-bit stream memory operations.
-//  fake_cuda_peer_enabled(from, to) tells tests whether the backend enabled peer access.
+//  fake_cuda_peer_enabled(from, to) tells tests whether the backend enabled peer access, and
+//  fake_cuda_calls("cuGraphLaunch") how often a function was called.
 // Not a general emulator: what the backend does not call is not here.
 #include <cuda.h>
 
@@ -112,7 +115,20 @@ CUresult injected(std::string_view function) {
   }
   return CUDA_SUCCESS;
 }
+// How often each function with FAKE_INJECT was called (tests ask fake_cuda_calls).
+std::mutex g_calls_mutex;
+std::map<std::string, long, std::less<>>& calls() {
+  static auto* c = new std::map<std::string, long, std::less<>>;
+  return *c;
+}
+void count_call(std::string_view function) {
+  std::lock_guard lock(g_calls_mutex);
+  auto it = calls().find(function);
+  if (it == calls().end()) it = calls().emplace(std::string(function), 0).first;
+  it->second += 1;
+}
 #define FAKE_INJECT(name)                                  \
+  count_call(#name);                                       \
   if (CUresult r = injected(#name); r != CUDA_SUCCESS) return r
 
 // The current context's sticky error, if any (every call in a poisoned context returns it).
@@ -317,6 +333,13 @@ CUresult check_copy(CUdeviceptr dest, CUdeviceptr src, std::size_t size, bool de
 }
 
 }  // namespace
+
+// What tests ask the fake: how often `function` (one with FAKE_INJECT) was called.
+extern "C" long fake_cuda_calls(const char* function) {
+  std::lock_guard lock(g_calls_mutex);
+  auto it = calls().find(std::string_view(function));
+  return it == calls().end() ? 0 : it->second;
+}
 
 // What tests ask the fake: whether the backend enabled device `from`'s access to `to`'s memory.
 extern "C" int fake_cuda_peer_enabled(int from, int to) {
@@ -758,6 +781,175 @@ CUresult CUDAAPI cuEventElapsedTime(float* ms, CUevent start, CUevent end) {
   if (s->completed != s->recorded || e->completed != e->recorded) return CUDA_ERROR_NOT_READY;
   *ms = std::chrono::duration<float, std::milli>(e->at - s->at).count();
   return CUDA_SUCCESS;
+}
+
+
+}  // extern "C"
+
+// ---- graphs: nodes run in the order they were added (tinydev adds each after the one before) ----
+
+namespace {
+struct FakeNode {
+  bool kernel = false;
+  const FakeFunction* function = nullptr;
+  std::vector<std::byte> args;
+  Dim grid{1, 1, 1}, block{1, 1, 1};
+  CUdeviceptr dest = 0, src = 0;
+  std::size_t size = 0;
+};
+struct FakeGraph {
+  std::vector<std::unique_ptr<FakeNode>> nodes;  // node handles point at these
+};
+struct FakeGraphExec {
+  FakeDevice* device = nullptr;
+  std::vector<const FakeNode*> handles;  // the graph's node handles, to find a node on patching
+  std::vector<FakeNode> nodes;           // the instantiated parameters
+};
+
+// A kernel node's parameters from CUDA_KERNEL_NODE_PARAMS (arguments through `extra` only).
+CUresult kernel_node(const CUDA_KERNEL_NODE_PARAMS* p, FakeNode& node) {
+  if (!p || !p->func || p->kernelParams) return CUDA_ERROR_INVALID_VALUE;
+  const std::byte* params = nullptr;
+  std::size_t size = 0;
+  for (void** e = p->extra; e && *e != CU_LAUNCH_PARAM_END; e += 2) {
+    if (*e == CU_LAUNCH_PARAM_BUFFER_POINTER) params = static_cast<const std::byte*>(e[1]);
+    if (*e == CU_LAUNCH_PARAM_BUFFER_SIZE) size = *static_cast<const std::size_t*>(e[1]);
+  }
+  node.kernel = true;
+  node.function = reinterpret_cast<const FakeFunction*>(p->func);
+  if (!params || size < static_cast<std::size_t>(node.function->kernel.pointers) * 8) return CUDA_ERROR_INVALID_VALUE;
+  node.args.assign(params, params + size);
+  node.grid = Dim{p->gridDimX, p->gridDimY, p->gridDimZ};
+  node.block = Dim{p->blockDimX, p->blockDimY, p->blockDimZ};
+  if (node.grid.count() == 0 || node.block.count() == 0 || node.block.count() > 1024) return CUDA_ERROR_INVALID_VALUE;
+  return CUDA_SUCCESS;
+}
+// A 1-D copy between unified addresses.
+CUresult copy_node(const CUDA_MEMCPY3D* p, FakeNode& node) {
+  if (!p || p->srcMemoryType != CU_MEMORYTYPE_UNIFIED || p->dstMemoryType != CU_MEMORYTYPE_UNIFIED ||
+      p->Height != 1 || p->Depth != 1 || p->WidthInBytes == 0)
+    return CUDA_ERROR_INVALID_VALUE;
+  node.kernel = false;
+  node.dest = p->dstDevice;
+  node.src = p->srcDevice;
+  node.size = p->WidthInBytes;
+  return check_copy(node.dest, node.src, node.size, true, true) == CUDA_SUCCESS ||
+                 !inside_any(node.dest, 1) || !inside_any(node.src, 1)
+             ? CUDA_SUCCESS
+             : CUDA_ERROR_INVALID_VALUE;
+}
+CUresult run_node(const FakeNode& node, FakeDevice* device) {
+  if (!node.kernel) {
+    {
+      std::lock_guard lock(g_mutex);
+      const bool dest_ok = inside_any(node.dest, node.size) || !inside_any(node.dest, 1);
+      const bool src_ok = inside_any(node.src, node.size) || !inside_any(node.src, 1);
+      if (!dest_ok || !src_ok) return CUDA_ERROR_ILLEGAL_ADDRESS;
+    }
+    return device_copy(reinterpret_cast<void*>(node.dest), reinterpret_cast<const void*>(node.src), node.size);
+  }
+  if (CUresult r = injected("run:" + node.function->name); r != CUDA_SUCCESS) return r;
+  {
+    std::lock_guard lock(g_mutex);
+    for (int i = 0; i < node.function->kernel.pointers; ++i)
+      if (!reachable(*device, param<std::uint64_t>(node.args.data(), 8 * static_cast<std::size_t>(i)), 1))
+        return CUDA_ERROR_ILLEGAL_ADDRESS;
+  }
+  node.function->kernel.run(node.args.data(), node.args.size(), node.grid, node.block);
+  return CUDA_SUCCESS;
+}
+template <class Params, class Fill>
+CUresult add_node(CUgraphNode* out, CUgraph graph, const CUgraphNode* deps, std::size_t count, const Params* params,
+                  Fill fill) {
+  auto* g = reinterpret_cast<FakeGraph*>(graph);
+  if (!g || !out) return CUDA_ERROR_INVALID_VALUE;
+  for (std::size_t i = 0; i < count; ++i) {  // dependencies must be earlier nodes of this graph
+    bool found = false;
+    for (const auto& n : g->nodes) found |= reinterpret_cast<CUgraphNode>(n.get()) == deps[i];
+    if (!found) return CUDA_ERROR_INVALID_VALUE;
+  }
+  auto node = std::make_unique<FakeNode>();
+  if (CUresult r = fill(params, *node); r != CUDA_SUCCESS) return r;
+  *out = reinterpret_cast<CUgraphNode>(node.get());
+  g->nodes.push_back(std::move(node));
+  return CUDA_SUCCESS;
+}
+template <class Params, class Fill>
+CUresult set_node(CUgraphExec exec, CUgraphNode handle, const Params* params, bool kernel, Fill fill) {
+  auto* e = reinterpret_cast<FakeGraphExec*>(exec);
+  for (std::size_t i = 0; i < e->handles.size(); ++i) {
+    if (reinterpret_cast<CUgraphNode>(const_cast<FakeNode*>(e->handles[i])) != handle) continue;
+    if (e->nodes[i].kernel != kernel) return CUDA_ERROR_INVALID_VALUE;
+    FakeNode updated;
+    if (CUresult r = fill(params, updated); r != CUDA_SUCCESS) return r;
+    if (kernel && updated.function != e->nodes[i].function) return CUDA_ERROR_INVALID_VALUE;  // the driver's rule
+    e->nodes[i] = std::move(updated);
+    return CUDA_SUCCESS;
+  }
+  return CUDA_ERROR_INVALID_VALUE;
+}
+}  // namespace
+
+extern "C" {
+
+CUresult CUDAAPI cuGraphCreate(CUgraph* graph, unsigned int flags) {
+  FAKE_INJECT(cuGraphCreate);
+  if (flags != 0) return CUDA_ERROR_INVALID_VALUE;
+  *graph = reinterpret_cast<CUgraph>(new FakeGraph);
+  return CUDA_SUCCESS;
+}
+CUresult CUDAAPI cuGraphDestroy(CUgraph graph) {
+  delete reinterpret_cast<FakeGraph*>(graph);
+  return CUDA_SUCCESS;
+}
+CUresult CUDAAPI cuGraphAddKernelNode(CUgraphNode* node, CUgraph graph, const CUgraphNode* deps, size_t count,
+                                      const CUDA_KERNEL_NODE_PARAMS* params) {
+  FAKE_INJECT(cuGraphAddKernelNode);
+  return add_node(node, graph, deps, count, params, &kernel_node);
+}
+CUresult CUDAAPI cuGraphAddMemcpyNode(CUgraphNode* node, CUgraph graph, const CUgraphNode* deps, size_t count,
+                                      const CUDA_MEMCPY3D* params, CUcontext) {
+  FAKE_INJECT(cuGraphAddMemcpyNode);
+  return add_node(node, graph, deps, count, params, &copy_node);
+}
+CUresult CUDAAPI cuGraphInstantiateWithFlags(CUgraphExec* exec, CUgraph graph, unsigned long long) {
+  FAKE_INJECT(cuGraphInstantiateWithFlags);
+  FAKE_STICKY();
+  if (!t_current) return CUDA_ERROR_INVALID_CONTEXT;
+  const auto* g = reinterpret_cast<const FakeGraph*>(graph);
+  auto* e = new FakeGraphExec;
+  e->device = t_current;
+  for (const auto& n : g->nodes) {
+    e->handles.push_back(n.get());
+    e->nodes.push_back(*n);
+  }
+  *exec = reinterpret_cast<CUgraphExec>(e);
+  return CUDA_SUCCESS;
+}
+CUresult CUDAAPI cuGraphExecDestroy(CUgraphExec exec) {
+  delete reinterpret_cast<FakeGraphExec*>(exec);
+  return CUDA_SUCCESS;
+}
+CUresult CUDAAPI cuGraphExecKernelNodeSetParams(CUgraphExec exec, CUgraphNode node,
+                                                const CUDA_KERNEL_NODE_PARAMS* params) {
+  FAKE_INJECT(cuGraphExecKernelNodeSetParams);
+  return set_node(exec, node, params, true, &kernel_node);
+}
+CUresult CUDAAPI cuGraphExecMemcpyNodeSetParams(CUgraphExec exec, CUgraphNode node, const CUDA_MEMCPY3D* params,
+                                                CUcontext) {
+  FAKE_INJECT(cuGraphExecMemcpyNodeSetParams);
+  return set_node(exec, node, params, false, &copy_node);
+}
+CUresult CUDAAPI cuGraphLaunch(CUgraphExec exec, CUstream stream) {
+  FAKE_INJECT(cuGraphLaunch);
+  FAKE_STICKY();
+  const auto* e = reinterpret_cast<const FakeGraphExec*>(exec);
+  // A launch runs the parameters the exec has now; later patches affect later launches only.
+  return submit(stream, [nodes = e->nodes, device = e->device] {
+    for (const FakeNode& node : nodes)
+      if (CUresult r = run_node(node, device); r != CUDA_SUCCESS) return r;
+    return CUDA_SUCCESS;
+  });
 }
 
 }  // extern "C"

@@ -1,0 +1,68 @@
+// backends/cuda/cuda_state.hpp: what the CUDA backend's sources share about one GPU (internal:
+// includes cuda.h through cuda_api.hpp, so only the backend's own sources include it).
+#pragma once
+
+#include <fmt/format.h>
+
+#include <atomic>
+#include <cstddef>
+#include <string>
+
+#include "cuda_api.hpp"
+#include "tinydev/compile.hpp"
+#include "tinydev/error.hpp"
+
+namespace tinydev::cuda {
+
+// What every object of one device shares. Lives as long as the device (the process).
+struct DeviceState {
+  DeviceState(const Driver& api, std::string name) : api(api), name(std::move(name)) {}
+  const Driver& api;
+  std::string name;
+  int ordinal = 0;
+  CUdevice device = 0;
+  CUcontext context = nullptr;
+  CUstream compute = nullptr, copy = nullptr;  // non-blocking streams, one per lane
+  CUevent start = nullptr, end = nullptr;      // for timed direct launches
+  CUmodule timestamp_module = nullptr;
+  CUfunction timestamp = nullptr;  // tinydev_timestamp(u64*): stores %globaltimer
+  int major = 0, minor = 0;        // compute capability, read once at open
+  bool memops = false;             // CAN_USE_64_BIT_STREAM_MEM_OPS
+  std::atomic<bool> released{false};  // Note [CUDA at exit]
+
+  // Driver calls act on the calling thread's current context.
+  void make_current() const {
+    if (released.load(std::memory_order_acquire))
+      throw Error(fmt::format("{}: the process is exiting and the device's context was released", name));
+    check(api.cuCtxSetCurrent(context), "cuCtxSetCurrent", name);
+  }
+};
+
+// Errors after which the context is unusable (the driver returns them from every later call).
+inline bool sticky(CUresult r) {
+  switch (r) {
+    case CUDA_ERROR_ILLEGAL_ADDRESS:
+    case CUDA_ERROR_LAUNCH_FAILED:
+    case CUDA_ERROR_LAUNCH_TIMEOUT:
+    case CUDA_ERROR_ASSERT:
+    case CUDA_ERROR_HARDWARE_STACK_ERROR:
+    case CUDA_ERROR_ILLEGAL_INSTRUCTION:
+    case CUDA_ERROR_MISALIGNED_ADDRESS:
+    case CUDA_ERROR_INVALID_ADDRESS_SPACE:
+    case CUDA_ERROR_INVALID_PC:
+    case CUDA_ERROR_ECC_UNCORRECTABLE:
+      return true;
+    default:
+      return false;
+  }
+}
+
+// Launches `function` on `stream` with the packed argument buffer (the driver copies it).
+inline CUresult launch(const DeviceState& s, CUfunction function, CUstream stream, const std::byte* args, std::size_t bytes,
+                Dim3 g, Dim3 l) {
+  void* extra[] = {CU_LAUNCH_PARAM_BUFFER_POINTER, const_cast<std::byte*>(args), CU_LAUNCH_PARAM_BUFFER_SIZE, &bytes,
+                   CU_LAUNCH_PARAM_END};
+  return s.api.cuLaunchKernel(function, g[0], g[1], g[2], l[0], l[1], l[2], 0, stream, nullptr, extra);
+}
+
+}  // namespace tinydev::cuda
