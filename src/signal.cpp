@@ -74,7 +74,7 @@ void wait_signal_slot(SignalSlot& slot, std::uint64_t wanted, std::chrono::nanos
         handle ? handle->describe() : "a signal", wanted, slot.value.load()));
   };
   if (slot.polled) {
-    // Note [Polled signals]: spin for 50 us, then sleep 1, 2, 4 ... 1000 us between looks.
+    // Note [Polled signals]: spin for 50 us, then sleep 1, 2, 4 ... 128 us between looks.
     const auto spin_until = now0 + std::chrono::microseconds(50);
     auto pause = std::chrono::microseconds(1);
     while (true) {
@@ -87,7 +87,7 @@ void wait_signal_slot(SignalSlot& slot, std::uint64_t wanted, std::chrono::nanos
         continue;
       }
       std::this_thread::sleep_for(std::min<std::chrono::nanoseconds>(pause, deadline - now));
-      pause = std::min(pause * 2, std::chrono::microseconds(1000));
+      pause = std::min(pause * 2, std::chrono::microseconds(128));
     }
   }
   while (true) {

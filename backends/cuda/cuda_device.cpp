@@ -10,7 +10,6 @@
 #include <charconv>
 #include <cstdlib>
 #include <cstring>
-#include <functional>
 #include <memory>
 #include <mutex>
 #include <set>
@@ -147,7 +146,8 @@ void check_sizes(const std::string& kernel, const std::string& device, Dim3 g, D
 // ---- programs ---------------------------------------------------------------------------------
 
 CudaProgram::CudaProgram(std::string name, CudaHCQDevice& device, void* module, void* function)
-    : Program(std::move(name)), device_(device), module_(module), function_(function) {}
+    : Program(std::move(name)), device_(device), module_(module), function_(function),
+      launch_what_(fmt::format("launching '{}'", this->name())) {}
 
 CudaProgram::~CudaProgram() {
   const DeviceState& s = device_.state();
@@ -363,7 +363,7 @@ void CudaHCQDevice::check_health() const {
   }
 }
 
-void CudaHCQDevice::submit_commands(CudaLane lane, const std::vector<CudaCommand>& commands) {
+void CudaHCQDevice::submit_commands(CudaLane lane, std::span<const CudaCommand> commands) {
   std::lock_guard lock(submit_mutex());
   throw_if_failed();
   // Note [CUDA queue depth]: a producer far ahead of the GPU waits here, not in the driver (whose
@@ -474,9 +474,10 @@ std::optional<double> CudaHCQDevice::launch_direct(const CudaProgram& program, c
                                                    std::uint32_t bytes, Dim3 global, Dim3 local, bool timed) {
   const DeviceState& s = *state_;
   const auto function = static_cast<CUfunction>(program.function());
-  const std::optional<double> seconds = run_ordered(
-      [&](void* stream) { return launch(s, function, static_cast<CUstream>(stream), args, bytes, global, local); },
-      fmt::format("launching '{}'", program.name()), timed, program.name());
+  auto work = [&](void* stream) {
+    return static_cast<int>(launch(s, function, static_cast<CUstream>(stream), args, bytes, global, local));
+  };
+  const std::optional<double> seconds = run_ordered(work, program.launch_what(), timed, program.name());
   const std::int64_t launched = GlobalCounters::kernel_count.fetch_add(1, std::memory_order_relaxed) + 1;
   if (seconds) {
     GlobalCounters::time_sum.fetch_add(*seconds, std::memory_order_relaxed);
@@ -493,7 +494,7 @@ int CudaHCQDevice::launch_timestamp(SignalSlot* slot, void* stream) {
                 sizeof out, {1, 1, 1}, {1, 1, 1});
 }
 
-std::optional<double> CudaHCQDevice::run_ordered(const std::function<int(void* stream)>& work, std::string_view what,
+std::optional<double> CudaHCQDevice::run_ordered(StreamWork work, std::string_view what,
                                                  bool timed, std::string_view profile_name) {
   std::lock_guard lock(submit_mutex());
   throw_if_failed();
@@ -501,14 +502,17 @@ std::optional<double> CudaHCQDevice::run_ordered(const std::function<int(void* s
   const std::uint64_t value = next_timeline_value();
   // The timeline value is taken: whatever happens, it is signalled (or the device has failed).
   const auto signal = [&] {
-    submit_commands(CudaLane::compute, {CudaSignalPrimitives::signal(timeline_signal(), value)});
+    const CudaCommand command = CudaSignalPrimitives::signal(timeline_signal(), value);
+    submit_commands(CudaLane::compute, std::span(&command, 1));
     last_signal_on_compute_ = true;
   };
   try {
     // Work on the copy stream is ordered by the timeline; the compute stream's own order covers
     // what was signalled from it.
-    if (!last_signal_on_compute_)
-      submit_commands(CudaLane::compute, {CudaSignalPrimitives::wait(timeline_signal(), value - 1)});
+    if (!last_signal_on_compute_) {
+      const CudaCommand command = CudaSignalPrimitives::wait(timeline_signal(), value - 1);
+      submit_commands(CudaLane::compute, std::span(&command, 1));
+    }
     s.make_current();
     // Profiling: the work's span from two timestamps around it, read at the next synchronize.
     std::optional<ProfileRecord> span;

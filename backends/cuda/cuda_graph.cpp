@@ -13,7 +13,9 @@
 // through run_ordered), so every kernel and copy has its own span in the trace.
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cstring>
+#include <string>
 #include <memory>
 #include <vector>
 
@@ -67,10 +69,10 @@ class CudaGraph final : public Graph {
     s.make_current();
     if (device_.profiling()) return replay_node_by_node(inputs, variables, wait);
     if (!exec_) build(inputs, variables);
-    else patch(inputs, variables);
-    const std::optional<double> seconds = device_.run_ordered(
-        [&](void* stream) { return static_cast<int>(s.api.cuGraphLaunch(exec_, static_cast<CUstream>(stream))); },
-        fmt::format("launching a graph of {} nodes", nodes_.size()), wait);
+    else if (!same_as_last(inputs, variables)) patch(inputs, variables);
+    remember(inputs, variables);
+    auto work = [&](void* stream) { return static_cast<int>(s.api.cuGraphLaunch(exec_, static_cast<CUstream>(stream))); };
+    const std::optional<double> seconds = device_.run_ordered(work, launch_what_, wait);
     last_value_ = device_.last_ordered_value();
     return seconds;
   }
@@ -86,27 +88,42 @@ class CudaGraph final : public Graph {
       if (const auto* k = std::get_if<GraphKernel>(&node)) {
         const std::vector<std::byte> args = pack(*k, inputs, variables);
         const auto function = static_cast<CUfunction>(static_cast<const CudaProgram&>(*k->program).function());
-        t = device_.run_ordered(
-            [&](void* stream) {
-              return static_cast<int>(launch(s, function, static_cast<CUstream>(stream), args.data(), args.size(),
-                                             k->launch.global, k->launch.local));
-            },
-            fmt::format("launching '{}' of a graph", k->program->name()), wait, k->program->name());
+        auto work = [&](void* stream) {
+          return static_cast<int>(launch(s, function, static_cast<CUstream>(stream), args.data(), args.size(),
+                                         k->launch.global, k->launch.local));
+        };
+        t = device_.run_ordered(work, fmt::format("launching '{}' of a graph", k->program->name()), wait,
+                                k->program->name());
       } else {
         const auto& c = std::get<GraphCopy>(node);
         const auto dest = static_cast<CUdeviceptr>(resolve(c.dest, inputs).va_addr);
         const auto src = static_cast<CUdeviceptr>(resolve(c.src, inputs).va_addr);
-        t = device_.run_ordered(
-            [&](void* stream) {
-              return static_cast<int>(s.api.cuMemcpyAsync(dest, src, c.size, static_cast<CUstream>(stream)));
-            },
-            fmt::format("a copy of {} bytes of a graph", c.size), wait, fmt::format("copy {} bytes", c.size));
+        auto work = [&](void* stream) {
+          return static_cast<int>(s.api.cuMemcpyAsync(dest, src, c.size, static_cast<CUstream>(stream)));
+        };
+        t = device_.run_ordered(work, fmt::format("a copy of {} bytes of a graph", c.size), wait,
+                                fmt::format("copy {} bytes", c.size));
       }
       seconds += t.value_or(0);
       last_value_ = device_.last_ordered_value();
     }
     if (!wait) return std::nullopt;
     return seconds;
+  }
+
+  // Whether this replay's inputs and variables are the last replay's (then nothing is patched).
+  bool same_as_last(std::span<const Allocation> inputs, std::span<const std::int32_t> variables) const {
+    if (inputs.size() != last_inputs_.size() || !std::equal(variables.begin(), variables.end(), last_variables_.begin(),
+                                                            last_variables_.end()))
+      return false;
+    for (std::size_t i = 0; i < inputs.size(); ++i)
+      if (inputs[i].va_addr != last_inputs_[i]) return false;
+    return true;
+  }
+  void remember(std::span<const Allocation> inputs, std::span<const std::int32_t> variables) {
+    last_inputs_.resize(inputs.size());
+    for (std::size_t i = 0; i < inputs.size(); ++i) last_inputs_[i] = inputs[i].va_addr;
+    last_variables_.assign(variables.begin(), variables.end());
   }
 
   // The node's arguments for this replay, packed (8-byte addresses, then 4-byte values).
@@ -222,6 +239,9 @@ class CudaGraph final : public Graph {
   std::vector<std::vector<std::byte>> args_;                         // per kernel node, as patched last
   std::vector<std::pair<std::uint64_t, std::uint64_t>> copies_;      // per copy node: (dest, src)
   std::uint64_t last_value_ = 0;  // the timeline value the last replay signals
+  std::vector<std::uintptr_t> last_inputs_;   // the last replay's input addresses
+  std::vector<std::int32_t> last_variables_;  // and variables
+  std::string launch_what_ = fmt::format("launching a graph of {} nodes", nodes_.size());
 };
 
 }  // namespace

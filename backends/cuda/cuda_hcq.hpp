@@ -29,9 +29,9 @@
 #pragma once
 
 #include <cstdint>
-#include <functional>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 
@@ -55,11 +55,13 @@ class CudaProgram final : public Program {
 
   const std::string& device() const noexcept;
   void* function() const noexcept { return function_; }  // the CUfunction
+  const std::string& launch_what() const noexcept { return launch_what_; }  // "launching 'name'", for errors
 
  private:
   CudaHCQDevice& device_;
   void* module_;    // CUmodule
   void* function_;  // CUfunction
+  std::string launch_what_;
 };
 
 // One recorded command (a queue's word). Which fields matter depends on `kind`.
@@ -75,6 +77,21 @@ struct CudaCommand {
 };
 
 enum class CudaLane : std::uint8_t { compute, copy };
+
+// A non-owning reference to a callable `int(void* stream)` (a CUresult-returning driver call on
+// the stream): what CudaHCQDevice::run_ordered runs, without allocating on the launch path. The
+// callable must outlive the call it is passed to.
+class StreamWork {
+ public:
+  template <class F>
+  StreamWork(F& f) noexcept  // NOLINT: implicit, like std::function_ref
+      : callable_(&f), call_([](void* c, void* stream) { return (*static_cast<F*>(c))(stream); }) {}
+  int operator()(void* stream) const { return call_(callable_, stream); }
+
+ private:
+  void* callable_;
+  int (*call_)(void*, void*);
+};
 
 struct CudaSignalPrimitives {
   static CudaCommand signal(const Signal& s, std::uint64_t v) { return {.kind = CommandKind::signal, .slot = &s.slot(), .value = v}; }
@@ -147,7 +164,7 @@ class CudaHCQDevice final : public HCQCompiled<CudaComputeQueue, CudaCopyQueue> 
   std::uint64_t device_to_cpu_ns(std::uint64_t device_ns, bool is_copy) const override;
 
   // Issues `commands` on the lane's stream (Note [CUDA queues], Note [CUDA failures]).
-  void submit_commands(CudaLane lane, const std::vector<CudaCommand>& commands);
+  void submit_commands(CudaLane lane, std::span<const CudaCommand> commands);
   // Launches a program outside any queue, ordered on the timeline (CudaProgram::operator()).
   std::optional<double> launch_direct(const CudaProgram& program, const std::byte* args, std::uint32_t bytes,
                                       Dim3 global, Dim3 local, bool timed);
@@ -156,7 +173,7 @@ class CudaHCQDevice final : public HCQCompiled<CudaComputeQueue, CudaCopyQueue> 
   // with the driver's error (a sticky one fails the device); the timeline moves on either way.
   // Returns the seconds between events around the work when `timed` (then it waits for it).
   // When profiling, the work's span goes in the trace under `profile_name` (if not empty).
-  std::optional<double> run_ordered(const std::function<int(void* stream)>& work, std::string_view what, bool timed,
+  std::optional<double> run_ordered(StreamWork work, std::string_view what, bool timed,
                                     std::string_view profile_name = {});
   // The timeline value the last run_ordered signals when done.
   std::uint64_t last_ordered_value() const noexcept { return last_ordered_value_; }

@@ -98,17 +98,29 @@ class HCQAllocator : public LRUAllocator {
     }
     ensure_ring();
     HCQProfileScope<Device, typename Device::copy_queue_type> prof(device_, fmt::format("{} -> CPU", device_.name()), true);
-    for (std::size_t i = 0; i < dest.size(); i += batch_size_) {
-      const std::size_t n = std::min(batch_size_, dest.size() - i);
+    // Note [Pipelined copyout]: the device fills up to every slot of the ring ahead while the host
+    // drains the oldest, so the device's copy of chunk i+1 overlaps the host's copy of chunk i.
+    const std::size_t chunks = (dest.size() + batch_size_ - 1) / batch_size_;
+    std::vector<std::uint64_t> done(chunks);
+    const auto submit_chunk = [&](std::size_t c) {
+      const std::size_t i = c * batch_size_, n = std::min(batch_size_, dest.size() - i);
       const std::uint64_t value = device_.next_timeline_value();
       device_.copy_queue()
           .wait(device_.timeline_signal(), value - 1)
-          .copy(ring_[0], Allocation{src.va_addr + i, n, src.backend}, n)
+          .copy(ring_[c % ring_.size()], Allocation{src.va_addr + i, n, src.backend}, n)
           .signal(device_.timeline_signal(), value)
           .submit(device_);
-      device_.timeline_signal().wait(value);
-      host_copy(dest.data() + i, ring_[0].template host_ptr<std::byte>(), n);
+      done[c] = value;
+    };
+    std::size_t submitted = 0;
+    for (std::size_t c = 0; c < chunks; ++c) {
+      while (submitted < chunks && submitted < c + ring_.size()) submit_chunk(submitted++);
+      const std::size_t i = c * batch_size_, n = std::min(batch_size_, dest.size() - i);
+      device_.timeline_signal().wait(done[c]);
+      host_copy(dest.data() + i, ring_[c % ring_.size()].template host_ptr<std::byte>(), n);
     }
+    // The slots are free again (nothing in flight reads them): copyin may take any of them.
+    std::fill(ring_timeline_.begin(), ring_timeline_.end(), 0);
   }
 
   // Copies `size` bytes from `src` on src_device to `dest` on dest_device, ordered after the work

@@ -150,8 +150,9 @@ inline void cpu_relax() noexcept {
 
 // Note [Polled signals]
 // A GPU's stream memory operation writes a slot's value over PCIe and wakes no futex, so a host
-// waiter on such a slot (SignalSlot::polled) spins for a time budget, then polls with sleeps that
-// grow to 1 ms: latency stays in microseconds for short waits and the CPU is free for long ones.
+// waiter on such a slot (SignalSlot::polled) spins for 50 us, then polls with sleeps that grow to
+// 128 us: latency stays in microseconds for short waits, a wait for long work overshoots its end
+// by at most about 128 us plus the kernel's timer slack, and the CPU is free meanwhile.
 
 // Waits for slot->value >= wanted (spin, then futex sleep, or polling for polled slots). `describe` names the signal in
 // errors. Used by Signal::wait and by device queues that wait on the host side.
