@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <mutex>
 #include <random>
 #include <thread>
 #include <string>
@@ -164,6 +165,18 @@ inline void register_fakes() {
 inline FakeDevice& fake_device(const std::string& name = "FAKE") {
   register_fakes();
   return static_cast<FakeDevice&>(Device[name]);
+}
+
+// Records `body` into a compute queue of HCQ device `dev` ordered on its timeline (wait for the
+// last value, signal the next) and submits it.
+template <class Dev, class Body>
+void submit_ordered(Dev& dev, Body&& body) {
+  std::lock_guard lock(dev.submit_mutex());
+  const std::uint64_t v = dev.next_timeline_value();
+  auto q = dev.compute_queue();
+  q.wait(dev.timeline_signal(), v - 1);
+  body(q);
+  q.signal(dev.timeline_signal(), v).submit(dev);
 }
 
 }  // namespace tinydev::testing

@@ -113,16 +113,4 @@ inline std::int32_t read_int(const Buffer& b) {
   return v;
 }
 
-// Records `body` into a compute queue ordered on the device's timeline (wait for the last value,
-// signal the next) and submits it.
-template <class Dev, class Body>
-void submit_ordered(Dev& dev, Body&& body) {
-  std::lock_guard lock(dev.submit_mutex());
-  const std::uint64_t v = dev.next_timeline_value();
-  auto q = dev.compute_queue();
-  q.wait(dev.timeline_signal(), v - 1);
-  body(q);
-  q.signal(dev.timeline_signal(), v).submit(dev);
-}
-
 }  // namespace tinydev::testing

@@ -410,17 +410,6 @@ bool fake_peer_enabled(int from, int to) {
   return enabled;
 }
 
-// Submits a compute queue ordered on the timeline: wait for the last value, `body`, signal the next.
-template <class Body>
-void submit_ordered(cuda::CudaHCQDevice& dev, Body&& body) {
-  std::lock_guard lock(dev.submit_mutex());
-  const std::uint64_t v = dev.next_timeline_value();
-  auto q = dev.compute_queue();
-  q.wait(dev.timeline_signal(), v - 1);
-  body(q);
-  q.signal(dev.timeline_signal(), v).submit(dev);
-}
-
 void check_transfer(cuda::CudaHCQDevice& a, cuda::CudaHCQDevice& b) {
   const auto data = random_bytes((3u << 20) + 5, fresh_seed());
   Buffer src(a.name(), data.size(), dtypes::uint8), dst(b.name(), data.size(), dtypes::uint8);
