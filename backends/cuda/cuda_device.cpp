@@ -133,6 +133,8 @@ constexpr char kTimestampPtx[] = R"(.version 8.0
 constexpr std::size_t kMaxArgumentBytes = 32 * 1024;
 // Note [CUDA queue depth]: past this many timeline values in flight, a submit first waits.
 constexpr std::uint64_t kMaxInFlight = 1000;
+// Direct calls between two timeline signals at most (Note [Lazy timeline signals]).
+constexpr std::uint32_t kLazySignalEvery = 256;
 
 void check_sizes(const std::string& kernel, const std::string& device, Dim3 g, Dim3 l) {
   if (grid_size(g) == 0 || grid_size(l) == 0)
@@ -499,19 +501,25 @@ std::optional<double> CudaHCQDevice::run_ordered(StreamWork work, std::string_vi
   std::lock_guard lock(submit_mutex());
   throw_if_failed();
   const DeviceState& s = *state_;
-  const std::uint64_t value = next_timeline_value();
-  // The timeline value is taken: whatever happens, it is signalled (or the device has failed).
+  // Untimed work takes no timeline value: it is lazy work (Note [Lazy timeline signals] in
+  // tinydev/hcq_device.hpp), signalled by whoever next needs the timeline. Timed work takes a
+  // value and waits for it.
+  const std::uint64_t value = timed ? next_timeline_value() : 0;
+  const std::uint64_t after = timed ? value - 1 : timeline_value() - 1;
+  // A taken timeline value is signalled whatever happens (unless the device has failed).
   const auto signal = [&] {
+    if (!timed) return;
     const CudaCommand command = CudaSignalPrimitives::signal(timeline_signal(), value);
     submit_commands(CudaLane::compute, std::span(&command, 1));
     last_signal_on_compute_ = true;
   };
   try {
     // Work on the copy stream is ordered by the timeline; the compute stream's own order covers
-    // what was signalled from it.
+    // what was signalled from it, and what it already waited for.
     if (!last_signal_on_compute_) {
-      const CudaCommand command = CudaSignalPrimitives::wait(timeline_signal(), value - 1);
+      const CudaCommand command = CudaSignalPrimitives::wait(timeline_signal(), after);
       submit_commands(CudaLane::compute, std::span(&command, 1));
+      last_signal_on_compute_ = true;
     }
     s.make_current();
     // Profiling: the work's span from two timestamps around it, read at the next synchronize.
@@ -542,14 +550,33 @@ std::optional<double> CudaHCQDevice::run_ordered(StreamWork work, std::string_vi
     if (!timeline_signal().slot().poisoned.load()) signal();
     throw;
   }
+  if (!timed) {
+    note_lazy_work();
+    // Bounded like queued work (Note [CUDA queue depth]): every so often the lazy work is
+    // signalled, and that submit waits when the GPU is far behind.
+    if (++lazy_calls_ >= kLazySignalEvery) signal_lazy_work_now();
+    return std::nullopt;
+  }
   signal();
-  last_ordered_value_ = value;
-  if (!timed) return std::nullopt;
   wait_timeline(value);
   check(s.api.cuEventSynchronize(s.end), fmt::format("{} (waiting for it)", what), name());
   float ms = 0;
   check(s.api.cuEventElapsedTime(&ms, s.start, s.end), "cuEventElapsedTime", name());
   return ms / 1e3;
+}
+
+void CudaHCQDevice::signal_lazy_work(std::uint64_t value) {
+  // The compute stream's order puts this after every direct call made since the last value.
+  const CudaCommand command = CudaSignalPrimitives::signal(timeline_signal(), value);
+  lazy_calls_ = 0;
+  // At most kLazyMarks x kLazySignalEvery direct calls in flight: wait for the signal that many
+  // lazy signals ago (a GPU far behind blocks the caller here, not inside the driver).
+  std::uint64_t& oldest = lazy_marks_[lazy_mark_next_];
+  if (oldest) wait_timeline(oldest);
+  oldest = value;
+  lazy_mark_next_ = (lazy_mark_next_ + 1) % lazy_marks_.size();
+  submit_commands(CudaLane::compute, std::span(&command, 1));
+  last_signal_on_compute_ = true;
 }
 
 void CudaHCQDevice::prepare_transfer(CudaHCQDevice& dest) {
@@ -601,6 +628,7 @@ void CudaHCQDevice::on_timeline_wrapped() {
   static_cast<CudaAllocator&>(allocator()).reset_staging_timelines();
   kernargs_.timeline_wrapped();
   last_signal_on_compute_ = true;  // nothing is in flight
+  lazy_marks_.fill(0);
 }
 
 DeviceCapabilities CudaHCQDevice::capabilities() const {

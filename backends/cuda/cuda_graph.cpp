@@ -50,8 +50,8 @@ class CudaGraph final : public Graph {
     const DeviceState& s = device_.state();
     if (s.released.load()) return;  // at exit the context took the graph along
     try {
-      // A replay may still run: wait for it (after a timeline wrap, for what is there now).
-      if (last_value_) device_.wait_timeline(std::min(last_value_, device_.timeline_value() - 1));
+      // A replay may still run: wait for it.
+      if (replayed_) device_.wait_timeline(device_.last_submitted_value());
     } catch (const std::exception&) {
       // The device failed: its work will not run any more.
     }
@@ -73,7 +73,7 @@ class CudaGraph final : public Graph {
     remember(inputs, variables);
     auto work = [&](void* stream) { return static_cast<int>(s.api.cuGraphLaunch(exec_, static_cast<CUstream>(stream))); };
     const std::optional<double> seconds = device_.run_ordered(work, launch_what_, wait);
-    last_value_ = device_.last_ordered_value();
+    replayed_ = true;
     return seconds;
   }
 
@@ -105,7 +105,7 @@ class CudaGraph final : public Graph {
                                 fmt::format("copy {} bytes", c.size));
       }
       seconds += t.value_or(0);
-      last_value_ = device_.last_ordered_value();
+      replayed_ = true;
     }
     if (!wait) return std::nullopt;
     return seconds;
@@ -238,7 +238,7 @@ class CudaGraph final : public Graph {
   std::vector<CUgraphNode> handles_;
   std::vector<std::vector<std::byte>> args_;                         // per kernel node, as patched last
   std::vector<std::pair<std::uint64_t, std::uint64_t>> copies_;      // per copy node: (dest, src)
-  std::uint64_t last_value_ = 0;  // the timeline value the last replay signals
+  bool replayed_ = false;
   std::vector<std::uintptr_t> last_inputs_;   // the last replay's input addresses
   std::vector<std::int32_t> last_variables_;  // and variables
   std::string launch_what_ = fmt::format("launching a graph of {} nodes", nodes_.size());

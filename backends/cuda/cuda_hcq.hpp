@@ -28,6 +28,7 @@
 // Thread safety: as HCQCompiled; submissions to one device are serialized by its submit mutex.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -169,14 +170,13 @@ class CudaHCQDevice final : public HCQCompiled<CudaComputeQueue, CudaCopyQueue> 
   std::optional<double> launch_direct(const CudaProgram& program, const std::byte* args, std::uint32_t bytes,
                                       Dim3 global, Dim3 local, bool timed);
   // Runs `work(compute stream)` (a CUresult-returning driver call) ordered on the timeline: after
-  // everything submitted before, before everything submitted after. A failure throws `what`
-  // with the driver's error (a sticky one fails the device); the timeline moves on either way.
-  // Returns the seconds between events around the work when `timed` (then it waits for it).
-  // When profiling, the work's span goes in the trace under `profile_name` (if not empty).
+  // everything submitted before, before everything submitted after. Untimed work takes no
+  // timeline value of its own (Note [Lazy timeline signals] in tinydev/hcq_device.hpp). A
+  // failure throws `what` with the driver's error (a sticky one fails the device); the timeline
+  // moves on either way. Returns the seconds between events around the work when `timed` (then
+  // it waits for it). When profiling, the work's span goes in the trace under `profile_name`.
   std::optional<double> run_ordered(StreamWork work, std::string_view what, bool timed,
                                     std::string_view profile_name = {});
-  // The timeline value the last run_ordered signals when done.
-  std::uint64_t last_ordered_value() const noexcept { return last_ordered_value_; }
   // Before a transfer from this device to `dest`: enables peer access both ways once where the
   // GPUs allow it (HCQAllocator::transfer calls it). TINYDEV_DEBUG>=2 says which path copies.
   void prepare_transfer(CudaHCQDevice& dest);
@@ -197,6 +197,7 @@ class CudaHCQDevice final : public HCQCompiled<CudaComputeQueue, CudaCopyQueue> 
 
  protected:
   void on_timeline_wrapped() override;
+  void signal_lazy_work(std::uint64_t value) override;
   void check_health() const override;
 
  private:
@@ -204,8 +205,12 @@ class CudaHCQDevice final : public HCQCompiled<CudaComputeQueue, CudaCopyQueue> 
   int launch_timestamp(SignalSlot* slot, void* stream);  // the CUresult of the timestamp kernel's launch
   std::shared_ptr<DeviceState> state_;
   KernargsPages kernargs_;
+  // The compute stream's order covers the timeline's last value (it was signalled or waited for
+  // there): direct calls need no wait before them.
   bool last_signal_on_compute_ = true;
-  std::uint64_t last_ordered_value_ = 0;  // the timeline's last value was signalled on the compute stream
+  std::uint32_t lazy_calls_ = 0;  // direct calls since the last timeline signal
+  std::array<std::uint64_t, 4> lazy_marks_{};  // the last lazy signals' values (0: none)
+  std::size_t lazy_mark_next_ = 0;
   std::int64_t clock_offset_ns_ = 0;    // host ns - %globaltimer ns, measured at open
 };
 

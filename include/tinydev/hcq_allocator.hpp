@@ -135,7 +135,7 @@ class HCQAllocator : public LRUAllocator {
     using Queue = typename Device::copy_queue_type;
     Queue q;
     const bool same = &src_device == &dest_device;
-    const std::uint64_t dest_done = dest_device.timeline_value() - 1;  // read before taking a value
+    const std::uint64_t dest_done = dest_device.last_submitted_value();  // read before taking a value
     const std::uint64_t value = src_device.next_timeline_value();
     {
       HCQProfileScope<Device, Queue> prof(src_device, fmt::format("{} -> {}", src_device.name(), dest_device.name()),
@@ -176,7 +176,7 @@ class HCQAllocator : public LRUAllocator {
   // Backends call this in free_impl before memory really goes: a staged copy or a queued kernel
   // submitted earlier may still write it (the seed's allocators synchronize in _free likewise).
   void wait_before_free() const {
-    if (device_alive_ && !device_.idle()) device_.wait_timeline(device_.timeline_value() - 1);
+    if (device_alive_ && !device_.idle()) device_.wait_timeline(device_.last_submitted_value());
   }
 
  public:

@@ -93,8 +93,33 @@ class HCQCompiled : public Compiled {
   const Signal& timeline_signal() const noexcept { return timeline_signal_; }
   // The next value to signal on the timeline; value - 1 is the last one submitted.
   std::uint64_t timeline_value() const noexcept { return timeline_value_.load(std::memory_order_acquire); }
-  // Takes the next timeline value (caller holds submit_mutex()).
-  std::uint64_t next_timeline_value() noexcept { return timeline_value_.fetch_add(1, std::memory_order_acq_rel); }
+  // Takes the next timeline value (caller holds submit_mutex()). Lazy work is signalled first
+  // (Note [Lazy timeline signals]), so work ordered after the value is ordered after it too.
+  std::uint64_t next_timeline_value() {
+    if (lazy_work_.load(std::memory_order_relaxed)) [[unlikely]]
+      signal_lazy_work_now();
+    return timeline_value_.fetch_add(1, std::memory_order_acq_rel);
+  }
+  // The last timeline value submitted, covering lazy work too (it is signalled first). Wait for
+  // this, not timeline_value() - 1, to wait for everything submitted so far.
+  std::uint64_t last_submitted_value() {
+    signal_lazy_work_now();
+    return timeline_value() - 1;
+  }
+
+  // Note [Lazy timeline signals]
+  // A device may run some work without taking a timeline value (CUDA's direct kernel calls, which
+  // its stream's order already places after earlier compute work) and mark it with
+  // note_lazy_work(). Whoever next takes a timeline value, synchronizes, or asks for
+  // last_submitted_value() first makes the device signal one value covering that work
+  // (signal_lazy_work), so the timeline still means "everything before this value finished".
+  // Until then idle() is false. This saves a timeline write per direct call.
+  void signal_lazy_work_now() {
+    std::lock_guard lock(submit_mutex_);
+    if (!lazy_work_.load(std::memory_order_relaxed)) return;
+    lazy_work_.store(false, std::memory_order_relaxed);
+    signal_lazy_work(timeline_value_.fetch_add(1, std::memory_order_acq_rel));
+  }
   std::recursive_mutex& submit_mutex() const noexcept { return submit_mutex_; }
   SignalPool& signal_pool() const noexcept { return *pool_; }
 
@@ -133,7 +158,7 @@ class HCQCompiled : public Compiled {
 
   void synchronize() override {
     std::lock_guard lock(submit_mutex_);
-    wait_timeline(timeline_value() - 1);
+    wait_timeline(last_submitted_value());
     if (timeline_value() > kTimelineWrap) wrap_timeline();
     reclaim_signals();
     process_profile_records();
@@ -162,12 +187,13 @@ class HCQCompiled : public Compiled {
   }
   // Whether everything submitted so far has finished. Lock-free.
   bool idle() const noexcept {
+    if (lazy_work_.load(std::memory_order_acquire)) return false;
     return timeline_slot_.load(std::memory_order_acquire)->value.load(std::memory_order_acquire) + 1 >= timeline_value();
   }
 
   void wrap_timeline() {
     std::lock_guard lock(submit_mutex_);
-    wait_timeline(timeline_value() - 1);
+    wait_timeline(last_submitted_value());
     std::swap(timeline_signal_, shadow_timeline_signal_);
     timeline_signal_.set(0);
     timeline_value_.store(1, std::memory_order_release);
@@ -180,7 +206,7 @@ class HCQCompiled : public Compiled {
   // For tests of the wrap: jumps the timeline to `value` (the device must be idle).
   void set_timeline_for_testing(std::uint64_t value) {
     std::lock_guard lock(submit_mutex_);
-    wait_timeline(timeline_value() - 1);
+    wait_timeline(last_submitted_value());
     timeline_signal_.set(value - 1);
     timeline_value_.store(value, std::memory_order_release);
     on_timeline_wrapped();
@@ -215,6 +241,10 @@ class HCQCompiled : public Compiled {
  protected:
   // Hook for the allocator's staging timelines (reset to 0 on wrap).
   virtual void on_timeline_wrapped() {}
+  // Lazy work (Note [Lazy timeline signals]): mark it (caller holds the submit mutex), and submit
+  // a signal of `value` on the timeline ordered after it (called under the submit mutex).
+  void note_lazy_work() noexcept { lazy_work_.store(true, std::memory_order_release); }
+  virtual void signal_lazy_work(std::uint64_t value) { (void)value; }
   // Called every 50 ms while a host thread waits for the timeline: a device whose failures are
   // only seen by asking (a GPU's sticky error) checks here and poisons its timeline.
   virtual void check_health() const {}
@@ -234,6 +264,7 @@ class HCQCompiled : public Compiled {
   Signal timeline_signal_, shadow_timeline_signal_;
   std::atomic<SignalSlot*> timeline_slot_;
   std::atomic<std::uint64_t> timeline_value_{1};
+  std::atomic<bool> lazy_work_{false};
   std::vector<std::pair<std::uint32_t, std::vector<TimelineMark>>> pending_frees_;  // (slot index, marks)
   std::atomic<std::uint64_t> wraps_{0};
   std::vector<ProfileRecord> profile_records_;

@@ -410,6 +410,14 @@ bool fake_peer_enabled(int from, int to) {
   return enabled;
 }
 
+// Copies `data` into `b` through the staging ring even where a direct copy would do.
+void hcq_copyin_forced(cuda::CudaHCQDevice& dev, Buffer& b, const std::vector<float>& data) {
+  auto& allocator = dynamic_cast<HCQAllocator<cuda::CudaHCQDevice>&>(dev.allocator());
+  allocator.set_force_staging(true);
+  b.copyin(std::span<const float>(data));
+  allocator.set_force_staging(false);
+}
+
 void check_transfer(cuda::CudaHCQDevice& a, cuda::CudaHCQDevice& b) {
   const auto data = random_bytes((3u << 20) + 5, fresh_seed());
   Buffer src(a.name(), data.size(), dtypes::uint8), dst(b.name(), data.size(), dtypes::uint8);
@@ -687,4 +695,52 @@ TEST_CASE("cuda gpu: renderer-style kernels match the CPU (elementwise to half -
         REQUIRE(got[i * n + j] == Approx(want).epsilon(1e-4).margin(1e-4));
       }
   }
+}
+
+TEST_CASE("cuda fake: direct calls signal the timeline lazily yet stay ordered with copies - synchronize and frees", "[cuda][fake]") {
+  auto* dev = fake_hcq();
+  if (!dev) return;
+  auto add = dev->load_kernel("add", kernels::add_f32(SourceLanguage::CUDA));
+  const std::size_t n = 4096;
+  const auto x = random_floats(n, fresh_seed()), y = random_floats(n, fresh_seed());
+  Buffer a(dev->name(), n, dtypes::float32), o(dev->name(), n, dtypes::float32);
+  a.allocate().copyin(std::span<const float>(x));
+  o.allocate();
+  const Allocation bufs[] = {o.allocation(), a.allocation(), a.allocation()};
+  const std::int32_t vals[] = {static_cast<std::int32_t>(n)};
+  // Hold the compute stream, queue a direct call behind the gate, then overwrite its input through
+  // the staging ring (the copy stream): the copy must wait for the call (write after read).
+  Signal gate = dev->alloc_signal(0);
+  submit_ordered(*dev, [&](auto& q) { q.wait(gate, 1); });
+  const long signals_before = fake_calls("cuStreamBatchMemOp");
+  (*add)(bufs, vals);
+  CHECK(fake_calls("cuStreamBatchMemOp") == signals_before);  // no timeline write of its own
+  CHECK_FALSE(dev->idle());
+  std::thread opener([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(30));
+    gate.set(1);
+  });
+  hcq_copyin_forced(*dev, a, y);
+  opener.join();
+  std::vector<float> got(n);
+  o.copyout(std::span<float>(got));
+  for (std::size_t i = 0; i < n; ++i) REQUIRE(got[i] == x[i] + x[i]);  // the call read the old input
+  // A direct call and then a free of its input: the free waits for the call.
+  {
+    Buffer tmp(dev->name(), n, dtypes::float32);
+    tmp.allocate().copyin(std::span<const float>(y));
+    const Allocation tmp_bufs[] = {o.allocation(), tmp.allocation(), tmp.allocation()};
+    (*add)(tmp_bufs, vals);
+  }
+  dynamic_cast<LRUAllocator&>(dev->allocator()).free_cache();
+  dev->synchronize();
+  CHECK(dev->idle());
+  o.copyout(std::span<float>(got));
+  for (std::size_t i = 0; i < n; ++i) REQUIRE(got[i] == y[i] + y[i]);
+  // Many calls: the timeline is written once per 256 (plus one wait first: the copyout above
+  // signalled from the copy stream, which the compute stream's order does not cover).
+  const long before_many = fake_calls("cuStreamBatchMemOp");
+  for (int i = 0; i < 1024; ++i) (*add)(bufs, vals);
+  CHECK(fake_calls("cuStreamBatchMemOp") - before_many == 1 + 4);
+  dev->synchronize();
 }
