@@ -52,12 +52,13 @@ void SignalSlot::store(std::uint64_t v) noexcept {
 void wait_signal_slot(SignalSlot& slot, std::uint64_t wanted, std::chrono::nanoseconds timeout,
                       const Signal* handle) {
   auto poisoned = [&] {
-    std::string reason(slot.poison_reason, ::strnlen(slot.poison_reason, sizeof slot.poison_reason));
+    const std::string reason = slot.poison_text();
     return Error(fmt::format("{} was poisoned by a device-side failure while waiting for value {}: {}",
                              handle ? handle->describe() : "signal", wanted,
                              reason.empty() ? std::string("no reason recorded") : reason));
   };
-  for (int spin = 0; spin < 4000; ++spin) {
+  // Polled slots spin on a time budget below instead (Note [Polled signals]).
+  for (int spin = 0; !slot.polled && spin < 4000; ++spin) {
     if (slot.value.load(std::memory_order_acquire) >= wanted) return;
     if (slot.poisoned.load(std::memory_order_acquire)) throw poisoned();
     detail::cpu_relax();
@@ -136,6 +137,10 @@ void SignalSlot::poison(std::string_view reason) noexcept {
 }
 
 void Signal::poison(const std::string& reason) const { slot().poison(reason); }
+
+std::string SignalSlot::poison_text() const {
+  return std::string(poison_reason, ::strnlen(poison_reason, sizeof poison_reason));
+}
 
 std::string Signal::describe() const {
   return pool_ ? fmt::format("{} signal #{}", pool_->name(), index_) : "an empty signal";

@@ -352,7 +352,7 @@ void CudaHCQDevice::throw_if_failed() const {
   const SignalSlot& slot = timeline_signal().slot();
   if (slot.poisoned.load(std::memory_order_acquire))
     throw Error(fmt::format("{} failed earlier and cannot be used until the process restarts: {}", name(),
-                            std::string(slot.poison_reason, ::strnlen(slot.poison_reason, sizeof slot.poison_reason))));
+                            slot.poison_text()));
 }
 
 void CudaHCQDevice::check_health() const {
@@ -377,15 +377,16 @@ void CudaHCQDevice::submit_commands(CudaLane lane, std::span<const CudaCommand> 
   CUstream stream = lane == CudaLane::compute ? s.compute : s.copy;
   std::array<CUstreamBatchMemOpParams, 64> batch;
   unsigned batched = 0;
-  std::size_t i = 0;
-  const auto issue = [&](CUresult r, std::string_view what) {
+  std::size_t i = 0, batch_first = 0;  // the command being issued; the first one in `batch`
+  // `from`: the first command the failed call issued (a batch's first, else the current one).
+  const auto issue = [&](CUresult r, std::string_view what, std::size_t from) {
     if (r == CUDA_SUCCESS) [[likely]]
       return;
-    const std::string reason = fmt::format("{}: {} failed (command {} of a {} queue): {}", name(), what, i,
+    const std::string reason = fmt::format("{}: {} failed (command {} of a {} queue): {}", name(), what, from,
                                            lane == CudaLane::compute ? "compute" : "copy", describe(r));
     if (sticky(r)) fail(reason);
     // Note [CUDA failures]: what this queue would still have signalled never comes.
-    for (std::size_t j = i; j < commands.size(); ++j)
+    for (std::size_t j = from; j < commands.size(); ++j)
       if (commands[j].kind == CommandKind::signal) commands[j].slot->poison(reason);
     if (r == CUDA_ERROR_OUT_OF_MEMORY) throw OutOfMemory(reason);
     throw Error(reason);
@@ -396,7 +397,7 @@ void CudaHCQDevice::submit_commands(CudaLane lane, std::span<const CudaCommand> 
     if (batched == 0) return;
     const unsigned n = batched;
     batched = 0;
-    issue(s.api.cuStreamBatchMemOp(stream, n, batch.data(), 0), "cuStreamBatchMemOp");
+    issue(s.api.cuStreamBatchMemOp(stream, n, batch.data(), 0), "cuStreamBatchMemOp", batch_first);
   };
   for (; i < commands.size(); ++i) {
     const CudaCommand& c = commands[i];
@@ -410,10 +411,11 @@ void CudaHCQDevice::submit_commands(CudaLane lane, std::span<const CudaCommand> 
           const CUresult r =
               s.api.cuLaunchHostFunc(stream, c.kind == CommandKind::signal ? &host_signal : &host_wait, record);
           if (r != CUDA_SUCCESS) delete record;
-          issue(r, "cuLaunchHostFunc");
+          issue(r, "cuLaunchHostFunc", i);
           break;
         }
         if (batched == batch.size()) flush();
+        if (batched == 0) batch_first = i;
         batch[batched] = {};
         if (c.kind == CommandKind::signal) {
           batch[batched].writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_64;
@@ -431,34 +433,31 @@ void CudaHCQDevice::submit_commands(CudaLane lane, std::span<const CudaCommand> 
       }
       case CommandKind::timestamp:
         flush();
-        issue(timestamp(c.slot), "launching the timestamp kernel");
+        issue(timestamp(c.slot), "launching the timestamp kernel", i);
         break;
       case CommandKind::memory_barrier:
         break;  // work on a stream is ordered and its writes visible to what follows
       case CommandKind::exec: {
         flush();
-        // Profiling: the kernel's span from two timestamps around it, read at the next synchronize.
         std::optional<ProfileRecord> span;
-        if (profiling()) [[unlikely]] {
-          span = ProfileRecord{alloc_signal(), alloc_signal(), c.program->name(), false};
-          issue(timestamp(&span->start.slot()), "launching the timestamp kernel");
-        }
+        issue(static_cast<CUresult>(begin_span(span, c.program->name(), stream)), "launching the timestamp kernel", i);
         const CUresult r = launch(s, static_cast<CUfunction>(c.program->function()), stream, c.kernargs,
                                   c.kernarg_bytes, c.global, c.local);
-        if (r != CUDA_SUCCESS) [[unlikely]]
-          issue(r, fmt::format("launching '{}'", c.program->name()));
-        if (span) {
-          issue(timestamp(&span->end.slot()), "launching the timestamp kernel");
-          add_profile_record(std::move(*span));
+        if (r != CUDA_SUCCESS) [[unlikely]] {
+          drop_span(span);
+          issue(r, c.program->launch_what(), i);
         }
+        issue(static_cast<CUresult>(end_span(span, stream)), "launching the timestamp kernel", i);
         const std::int64_t launched = GlobalCounters::kernel_count.fetch_add(1, std::memory_order_relaxed) + 1;
         debug_log(2, "*** {:<7} {:>6} {:<40} (queued)", name(), launched, c.program->name());
         break;
       }
       case CommandKind::copy:
         flush();
-        issue(s.api.cuMemcpyAsync(static_cast<CUdeviceptr>(c.dest), static_cast<CUdeviceptr>(c.src), c.size, stream),
-              fmt::format("cuMemcpyAsync of {} bytes", c.size));
+        if (const CUresult r = s.api.cuMemcpyAsync(static_cast<CUdeviceptr>(c.dest), static_cast<CUdeviceptr>(c.src),
+                                                   c.size, stream);
+            r != CUDA_SUCCESS) [[unlikely]]
+          issue(r, fmt::format("cuMemcpyAsync of {} bytes", c.size), i);
         break;
     }
   }
@@ -496,6 +495,33 @@ int CudaHCQDevice::launch_timestamp(SignalSlot* slot, void* stream) {
                 sizeof out, {1, 1, 1}, {1, 1, 1});
 }
 
+// Profiling: a span of stream work between two timestamp kernels, turned into a trace event at the
+// next synchronize. Nothing when not profiling or `name` is empty. A failed launch frees the span.
+int CudaHCQDevice::begin_span(std::optional<ProfileRecord>& span, std::string_view name, void* stream) {
+  if (name.empty() || !profiling()) [[likely]]
+    return CUDA_SUCCESS;
+  span = ProfileRecord{alloc_signal(), alloc_signal(), std::string(name), false};
+  const int r = launch_timestamp(&span->start.slot(), stream);
+  if (r != CUDA_SUCCESS) drop_span(span);
+  return r;
+}
+
+int CudaHCQDevice::end_span(std::optional<ProfileRecord>& span, void* stream) {
+  if (!span) return CUDA_SUCCESS;
+  const int r = launch_timestamp(&span->end.slot(), stream);
+  if (r != CUDA_SUCCESS) drop_span(span);
+  else add_profile_record(std::move(*span));
+  span.reset();
+  return r;
+}
+
+void CudaHCQDevice::drop_span(std::optional<ProfileRecord>& span) {
+  if (!span) return;
+  free_signal(span->start);
+  free_signal(span->end);
+  span.reset();
+}
+
 std::optional<double> CudaHCQDevice::run_ordered(StreamWork work, std::string_view what,
                                                  bool timed, std::string_view profile_name) {
   std::lock_guard lock(submit_mutex());
@@ -522,29 +548,17 @@ std::optional<double> CudaHCQDevice::run_ordered(StreamWork work, std::string_vi
       last_signal_on_compute_ = true;
     }
     s.make_current();
-    // Profiling: the work's span from two timestamps around it, read at the next synchronize.
     std::optional<ProfileRecord> span;
-    if (!profile_name.empty() && profiling()) [[unlikely]] {
-      span = ProfileRecord{alloc_signal(), alloc_signal(), std::string(profile_name), false};
-      check(static_cast<CUresult>(launch_timestamp(&span->start.slot(), s.compute)), "launching the timestamp kernel",
-            name());
-    }
+    check(static_cast<CUresult>(begin_span(span, profile_name, s.compute)), "launching the timestamp kernel", name());
     if (timed) check(s.api.cuEventRecord(s.start, s.compute), "cuEventRecord", name());
     if (const auto r = static_cast<CUresult>(work(s.compute)); r != CUDA_SUCCESS) [[unlikely]] {
       const std::string reason = fmt::format("{}: {} failed: {}", name(), what, describe(r));
       if (sticky(r)) fail(reason);
-      if (span) {
-        free_signal(span->start);
-        free_signal(span->end);
-      }
+      drop_span(span);
       throw Error(reason);
     }
     if (timed) check(s.api.cuEventRecord(s.end, s.compute), "cuEventRecord", name());
-    if (span) {
-      check(static_cast<CUresult>(launch_timestamp(&span->end.slot(), s.compute)), "launching the timestamp kernel",
-            name());
-      add_profile_record(std::move(*span));
-    }
+    check(static_cast<CUresult>(end_span(span, s.compute)), "launching the timestamp kernel", name());
   } catch (...) {
     // Nothing of this call runs: the timeline moves on (a non-sticky failure leaves the device usable).
     if (!timeline_signal().slot().poisoned.load()) signal();
@@ -569,8 +583,8 @@ void CudaHCQDevice::signal_lazy_work(std::uint64_t value) {
   // The compute stream's order puts this after every direct call made since the last value.
   const CudaCommand command = CudaSignalPrimitives::signal(timeline_signal(), value);
   lazy_calls_ = 0;
-  // At most kLazyMarks x kLazySignalEvery direct calls in flight: wait for the signal that many
-  // lazy signals ago (a GPU far behind blocks the caller here, not inside the driver).
+  // At most lazy_marks_.size() x kLazySignalEvery direct calls in flight: wait for the signal that
+  // many lazy signals ago (a GPU far behind blocks the caller here, not inside the driver).
   std::uint64_t& oldest = lazy_marks_[lazy_mark_next_];
   if (oldest) wait_timeline(oldest);
   oldest = value;

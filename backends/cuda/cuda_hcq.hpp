@@ -203,6 +203,10 @@ class CudaHCQDevice final : public HCQCompiled<CudaComputeQueue, CudaCopyQueue> 
  private:
   void fail(const std::string& reason) const;
   int launch_timestamp(SignalSlot* slot, void* stream);  // the CUresult of the timestamp kernel's launch
+  // Profiling spans around stream work (each returns a CUresult; see cuda_device.cpp).
+  int begin_span(std::optional<ProfileRecord>& span, std::string_view name, void* stream);
+  int end_span(std::optional<ProfileRecord>& span, void* stream);
+  void drop_span(std::optional<ProfileRecord>& span);
   std::shared_ptr<DeviceState> state_;
   KernargsPages kernargs_;
   // The compute stream's order covers the timeline's last value (it was signalled or waited for

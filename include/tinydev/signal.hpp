@@ -51,6 +51,8 @@ struct alignas(64) SignalSlot {
   void store(std::uint64_t v) noexcept;
   // Marks a device-side failure and wakes every waiter, who then throw an Error with `reason`.
   void poison(std::string_view reason) noexcept;
+  // The reason the first poisoner wrote ("" if none).
+  std::string poison_text() const;
 };
 
 class SignalPool;
@@ -154,8 +156,9 @@ inline void cpu_relax() noexcept {
 // 128 us: latency stays in microseconds for short waits, a wait for long work overshoots its end
 // by at most about 128 us plus the kernel's timer slack, and the CPU is free meanwhile.
 
-// Waits for slot->value >= wanted (spin, then futex sleep, or polling for polled slots). `describe` names the signal in
-// errors. Used by Signal::wait and by device queues that wait on the host side.
+// Waits for slot->value >= wanted (spin, then futex sleep, or polling for polled slots).
+// `handle_for_errors` names the signal in errors. Used by Signal::wait and by device queues that
+// wait on the host side.
 void wait_signal_slot(SignalSlot& slot, std::uint64_t wanted, std::chrono::nanoseconds timeout,
                       const Signal* handle_for_errors);
 

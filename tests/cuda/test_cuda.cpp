@@ -399,16 +399,21 @@ cuda::CudaHCQDevice* fake_hcq(const char* name = "CUDA") {
   return dev;
 }
 
-// What the fake driver says about peer access from device `from` to `to` (fake_cuda_peer_enabled).
-bool fake_peer_enabled(int from, int to) {
+// A function the fake driver exports for tests, looked up in the library the backend loaded.
+template <class Fn>
+Fn* fake_function(const char* symbol) {
   void* fake = ::dlopen(std::getenv("TINYDEV_CUDA_DRIVER"), RTLD_NOW | RTLD_NOLOAD);
   REQUIRE(fake);
-  auto* query = reinterpret_cast<int (*)(int, int)>(::dlsym(fake, "fake_cuda_peer_enabled"));
-  REQUIRE(query);
-  const bool enabled = query(from, to) != 0;
-  ::dlclose(fake);
-  return enabled;
+  auto* fn = reinterpret_cast<Fn*>(::dlsym(fake, symbol));
+  ::dlclose(fake);  // the backend keeps the library loaded
+  REQUIRE(fn);
+  return fn;
 }
+
+// What the fake driver says about peer access from device `from` to `to`.
+bool fake_peer_enabled(int from, int to) { return fake_function<int(int, int)>("fake_cuda_peer_enabled")(from, to) != 0; }
+// How often the fake driver's `function` was called.
+long fake_calls(const char* function) { return fake_function<long(const char*)>("fake_cuda_calls")(function); }
 
 // Copies `data` into `b` through the staging ring even where a direct copy would do.
 void hcq_copyin_forced(cuda::CudaHCQDevice& dev, Buffer& b, const std::vector<float>& data) {
@@ -515,18 +520,6 @@ TEST_CASE("cuda fake: a producer far ahead of the GPU blocks at about 1000 opera
   dev->synchronize();
   CHECK(submitted.load() == 1500);
 }
-
-namespace {
-long fake_calls(const char* function) {
-  void* fake = ::dlopen(std::getenv("TINYDEV_CUDA_DRIVER"), RTLD_NOW | RTLD_NOLOAD);
-  REQUIRE(fake);
-  auto* query = reinterpret_cast<long (*)(const char*)>(::dlsym(fake, "fake_cuda_calls"));
-  REQUIRE(query);
-  const long n = query(function);
-  ::dlclose(fake);
-  return n;
-}
-}  // namespace
 
 TEST_CASE("cuda fake: a 100-kernel CUDA graph replays as eager and patches only the nodes whose inputs changed", "[cuda][fake]") {
   auto* dev = fake_hcq();
@@ -743,4 +736,23 @@ TEST_CASE("cuda fake: direct calls signal the timeline lazily yet stay ordered w
   for (int i = 0; i < 1024; ++i) (*add)(bufs, vals);
   CHECK(fake_calls("cuStreamBatchMemOp") - before_many == 1 + 4);
   dev->synchronize();
+}
+
+TEST_CASE("cuda fake: a refused batch of stream memory operations poisons every signal it held", "[cuda][fake]") {
+  auto* dev = fake_hcq();
+  if (!dev) return;
+  Signal a = dev->alloc_signal(0), b = dev->alloc_signal(0);
+  {
+    FakeEnv fail("FAKE_CUDA_FAIL", "cuStreamBatchMemOp=1");
+    // Both signals go in one batch, issued after the loop: the failure names its first command.
+    CHECK_THROWS_WITH(dev->compute_queue().signal(a, 1).signal(b, 2).submit(*dev),
+                      Catch::Contains("cuStreamBatchMemOp failed (command 0") &&
+                          Catch::Contains("CUDA_ERROR_INVALID_VALUE"));
+  }
+  CHECK_THROWS_WITH(a.wait(1, std::chrono::seconds(5)), Catch::Contains("poisoned") && Catch::Contains("cuStreamBatchMemOp"));
+  CHECK_THROWS_WITH(b.wait(2, std::chrono::seconds(5)), Catch::Contains("poisoned"));
+  // Not a sticky error: the device keeps working.
+  Signal c = dev->alloc_signal(0);
+  dev->compute_queue().signal(c, 3).submit(*dev);
+  c.wait(3, std::chrono::seconds(5));
 }

@@ -1,6 +1,7 @@
 #include <nlohmann/json.hpp>
 
 #include <fstream>
+#include <new>
 #include <thread>
 
 #include "support.hpp"
@@ -117,4 +118,50 @@ TEST_CASE("config: TINYDEV_CPU_THREADS and TINYDEV_PROFILE", "[config]") {
   ScopedOverride prof("TINYDEV_PROFILE", "/tmp/x.json");
   CHECK(settings().profile == "/tmp/x.json");
   CHECK(Profiler::global().enabled());
+}
+
+TEST_CASE("signal: a pool on backend memory - device writes without wake are polled - bad memory is refused", "[signal]") {
+  // Memory the "backend" hands out, counted; a device writing a slot's value directly (no wake).
+  std::size_t chunks = 0, released = 0;
+  SignalMemory memory{.allocate =
+                          [&](std::size_t bytes) -> void* {
+                            chunks += 1;
+                            return ::operator new(bytes, std::align_val_t{64});
+                          },
+                      .release =
+                          [&](void* p, std::size_t) {
+                            released += 1;
+                            ::operator delete(p, std::align_val_t{64});
+                          },
+                      .device_writes_without_wake = true};
+  {
+    SignalPool pool("DEVICE", memory);
+    Signal s = pool.alloc(0);
+    CHECK(chunks == 1);
+    CHECK(s.slot().polled == 1);
+    const std::uint64_t want = 1 + fresh_seed() % 100;
+    std::thread device([&] {
+      std::this_thread::sleep_for(30ms);  // past the spin budget: the waiter is polling
+      s.slot().value.store(want, std::memory_order_release);  // as a GPU writes: no futex wake
+    });
+    const auto t0 = std::chrono::steady_clock::now();
+    s.wait(want, 5s);
+    CHECK(std::chrono::steady_clock::now() - t0 < 2s);
+    device.join();
+    CHECK_THROWS_WITH(s.wait(want + 1, 20ms), Catch::Contains("DEVICE signal") && Catch::Contains("timed out"));
+    s.poison("the device faulted");
+    CHECK_THROWS_WITH(s.wait(want + 1, 5s), Catch::Contains("the device faulted"));
+  }
+  CHECK(released == 1);  // the pool gave its chunk back when it died
+  SignalMemory half = memory;
+  half.release = nullptr;
+  CHECK_THROWS_WITH(SignalPool("HALF", half), Catch::Contains("needs both allocate and release"));
+  // Memory that is not 64-byte aligned is given back and refused; the pool stays empty.
+  alignas(64) static std::byte arena[128];
+  std::size_t misaligned_releases = 0;
+  SignalPool crooked("CROOKED", SignalMemory{.allocate = [&](std::size_t) -> void* { return arena + 8; },
+                                             .release = [&](void*, std::size_t) { misaligned_releases += 1; }});
+  CHECK_THROWS_WITH(crooked.alloc(0), Catch::Contains("not 64-byte aligned"));
+  CHECK(misaligned_releases == 1);
+  CHECK(crooked.live() == 0);
 }

@@ -332,6 +332,39 @@ CUresult check_copy(CUdeviceptr dest, CUdeviceptr src, std::size_t size, bool de
   return CUDA_SUCCESS;
 }
 
+// Unified addressing: each end of an asynchronous copy is memory the fake handed out, whole, or
+// pageable host memory outside it.
+bool copy_ends_ok(CUdeviceptr dest, CUdeviceptr src, std::size_t size) {
+  std::lock_guard lock(g_mutex);
+  return (inside_any(dest, size) || !inside_any(dest, 1)) && (inside_any(src, size) || !inside_any(src, 1));
+}
+
+// The packed argument buffer of a launch's `extra` (CU_LAUNCH_PARAM_BUFFER_POINTER and _SIZE).
+bool launch_arguments(void** extra, const std::byte*& params, std::size_t& size) {
+  params = nullptr;
+  size = 0;
+  for (void** e = extra; e && *e != CU_LAUNCH_PARAM_END; e += 2) {
+    if (*e == CU_LAUNCH_PARAM_BUFFER_POINTER) params = static_cast<const std::byte*>(e[1]);
+    if (*e == CU_LAUNCH_PARAM_BUFFER_SIZE) size = *static_cast<const std::size_t*>(e[1]);
+  }
+  return params != nullptr;
+}
+
+// Runs kernel `f` of `device` as the GPU would: FAKE_CUDA_FAIL's run:<name> first, then an
+// illegal address for a buffer argument the device cannot reach.
+CUresult run_kernel(const FakeFunction& f, const FakeDevice& device, const std::vector<std::byte>& args, Dim grid,
+                    Dim block) {
+  if (CUresult r = injected("run:" + f.name); r != CUDA_SUCCESS) return r;
+  {
+    std::lock_guard lock(g_mutex);
+    for (int i = 0; i < f.kernel.pointers; ++i)
+      if (!reachable(device, param<std::uint64_t>(args.data(), 8 * static_cast<std::size_t>(i)), 1))
+        return CUDA_ERROR_ILLEGAL_ADDRESS;
+  }
+  f.kernel.run(args.data(), args.size(), grid, block);
+  return CUDA_SUCCESS;
+}
+
 }  // namespace
 
 // What tests ask the fake: how often `function` (one with FAKE_INJECT) was called.
@@ -567,12 +600,7 @@ CUresult CUDAAPI cuMemcpyAsync(CUdeviceptr dest, CUdeviceptr src, size_t size, C
   FAKE_STICKY();
   // Unified addressing: either end may be host memory; the device ends are checked when it runs.
   return submit(stream, [=] {
-    {
-      std::lock_guard lock(g_mutex);
-      const bool dest_ok = inside_any(dest, size) || !inside_any(dest, 1);
-      const bool src_ok = inside_any(src, size) || !inside_any(src, 1);
-      if (!dest_ok || !src_ok) return CUDA_ERROR_ILLEGAL_ADDRESS;
-    }
+    if (!copy_ends_ok(dest, src, size)) return CUDA_ERROR_ILLEGAL_ADDRESS;
     return device_copy(reinterpret_cast<void*>(dest), reinterpret_cast<const void*>(src), size);
   });
 }
@@ -627,29 +655,16 @@ CUresult CUDAAPI cuLaunchKernel(CUfunction function, unsigned int gx, unsigned i
   if (!t_current) return CUDA_ERROR_INVALID_CONTEXT;
   if (std::size_t{gx} * gy * gz == 0 || std::size_t{bx} * by * bz == 0 || std::size_t{bx} * by * bz > 1024)
     return CUDA_ERROR_INVALID_VALUE;
-  const std::byte* params = nullptr;
-  std::size_t size = 0;
-  for (void** e = extra; e && *e != CU_LAUNCH_PARAM_END; e += 2) {
-    if (*e == CU_LAUNCH_PARAM_BUFFER_POINTER) params = static_cast<const std::byte*>(e[1]);
-    if (*e == CU_LAUNCH_PARAM_BUFFER_SIZE) size = *static_cast<const std::size_t*>(e[1]);
-  }
-  if (!params) return CUDA_ERROR_INVALID_VALUE;
+  const std::byte* params;
+  std::size_t size;
+  if (!launch_arguments(extra, params, size)) return CUDA_ERROR_INVALID_VALUE;
   const auto* f = reinterpret_cast<const FakeFunction*>(function);
   if (size < static_cast<std::size_t>(f->kernel.pointers) * 8) return CUDA_ERROR_INVALID_VALUE;
   // The driver copies the arguments at launch: the caller may reuse its buffer at once.
   std::vector<std::byte> args(params, params + size);
   FakeDevice* device = t_current;
   return submit(stream, [f, device, args = std::move(args), grid = Dim{gx, gy, gz}, block = Dim{bx, by, bz}] {
-    if (CUresult r = injected("run:" + f->name); r != CUDA_SUCCESS) return r;
-    // A kernel touching memory its device cannot reach is an illegal address on a GPU.
-    {
-      std::lock_guard lock(g_mutex);
-      for (int i = 0; i < f->kernel.pointers; ++i)
-        if (!reachable(*device, param<std::uint64_t>(args.data(), 8 * static_cast<std::size_t>(i)), 1))
-          return CUDA_ERROR_ILLEGAL_ADDRESS;
-    }
-    f->kernel.run(args.data(), args.size(), grid, block);
-    return CUDA_SUCCESS;
+    return run_kernel(*f, *device, args, grid, block);
   });
 }
 
@@ -809,15 +824,12 @@ struct FakeGraphExec {
 // A kernel node's parameters from CUDA_KERNEL_NODE_PARAMS (arguments through `extra` only).
 CUresult kernel_node(const CUDA_KERNEL_NODE_PARAMS* p, FakeNode& node) {
   if (!p || !p->func || p->kernelParams) return CUDA_ERROR_INVALID_VALUE;
-  const std::byte* params = nullptr;
-  std::size_t size = 0;
-  for (void** e = p->extra; e && *e != CU_LAUNCH_PARAM_END; e += 2) {
-    if (*e == CU_LAUNCH_PARAM_BUFFER_POINTER) params = static_cast<const std::byte*>(e[1]);
-    if (*e == CU_LAUNCH_PARAM_BUFFER_SIZE) size = *static_cast<const std::size_t*>(e[1]);
-  }
+  const std::byte* params;
+  std::size_t size;
+  const bool packed = launch_arguments(p->extra, params, size);
   node.kernel = true;
   node.function = reinterpret_cast<const FakeFunction*>(p->func);
-  if (!params || size < static_cast<std::size_t>(node.function->kernel.pointers) * 8) return CUDA_ERROR_INVALID_VALUE;
+  if (!packed || size < static_cast<std::size_t>(node.function->kernel.pointers) * 8) return CUDA_ERROR_INVALID_VALUE;
   node.args.assign(params, params + size);
   node.grid = Dim{p->gridDimX, p->gridDimY, p->gridDimZ};
   node.block = Dim{p->blockDimX, p->blockDimY, p->blockDimZ};
@@ -833,30 +845,14 @@ CUresult copy_node(const CUDA_MEMCPY3D* p, FakeNode& node) {
   node.dest = p->dstDevice;
   node.src = p->srcDevice;
   node.size = p->WidthInBytes;
-  return check_copy(node.dest, node.src, node.size, true, true) == CUDA_SUCCESS ||
-                 !inside_any(node.dest, 1) || !inside_any(node.src, 1)
-             ? CUDA_SUCCESS
-             : CUDA_ERROR_INVALID_VALUE;
+  return copy_ends_ok(node.dest, node.src, node.size) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
 }
 CUresult run_node(const FakeNode& node, FakeDevice* device) {
   if (!node.kernel) {
-    {
-      std::lock_guard lock(g_mutex);
-      const bool dest_ok = inside_any(node.dest, node.size) || !inside_any(node.dest, 1);
-      const bool src_ok = inside_any(node.src, node.size) || !inside_any(node.src, 1);
-      if (!dest_ok || !src_ok) return CUDA_ERROR_ILLEGAL_ADDRESS;
-    }
+    if (!copy_ends_ok(node.dest, node.src, node.size)) return CUDA_ERROR_ILLEGAL_ADDRESS;
     return device_copy(reinterpret_cast<void*>(node.dest), reinterpret_cast<const void*>(node.src), node.size);
   }
-  if (CUresult r = injected("run:" + node.function->name); r != CUDA_SUCCESS) return r;
-  {
-    std::lock_guard lock(g_mutex);
-    for (int i = 0; i < node.function->kernel.pointers; ++i)
-      if (!reachable(*device, param<std::uint64_t>(node.args.data(), 8 * static_cast<std::size_t>(i)), 1))
-        return CUDA_ERROR_ILLEGAL_ADDRESS;
-  }
-  node.function->kernel.run(node.args.data(), node.args.size(), node.grid, node.block);
-  return CUDA_SUCCESS;
+  return run_kernel(*node.function, *device, node.args, node.grid, node.block);
 }
 template <class Params, class Fill>
 CUresult add_node(CUgraphNode* out, CUgraph graph, const CUgraphNode* deps, std::size_t count, const Params* params,
