@@ -293,6 +293,9 @@ std::string check_elf_object(std::span<const std::byte> blob, std::uint16_t mach
       const std::uint64_t sym = ELF64_R_SYM(rel.r_info);
       const std::uint32_t type = ELF64_R_TYPE(rel.r_info);
       if (sym >= nsyms) return fmt::format("a relocation in section {} names symbol {} of {}", i, sym, nsyms);
+      // The null symbol: no compiler emits a kernel relocation against it, and JITLink crashes
+      // formatting its error for one (LLVM 19; found by fuzz_loader).
+      if (sym == 0) return fmt::format("a relocation in section {} names the null symbol (index 0)", i);
       const std::uint64_t width = relocation_width(machine, type);
       if (width == 0) return fmt::format("a relocation in section {} has kind {}, which this machine does not define", i, type);
       if (rel.r_offset > target.sh_size || width > target.sh_size - rel.r_offset)

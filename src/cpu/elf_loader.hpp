@@ -17,8 +17,8 @@
 // hang or allocate without bound on any input. So every blob passes check_elf_object first: the
 // header, the section table and every section's bytes in bounds, sane alignments, string tables
 // NUL-terminated, one symbol table whose symbols point into their sections, relocation tables
-// whose entries name real symbols and stay inside their target sections with a known relocation
-// kind, group sections naming real sections, and a bounded loaded size. A blob that fails is an
+// whose entries name real symbols (never the null symbol) and stay inside their target sections
+// with a known relocation kind, group sections naming real sections, and a bounded loaded size. A blob that fails is an
 // InvalidArgument saying what is wrong; ORC only ever sees objects that passed (the fuzzers in
 // tests/fuzz/ run both loaders on mutated objects).
 //

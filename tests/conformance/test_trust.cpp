@@ -1,6 +1,7 @@
 // Trust boundaries of the CPU backends (docs/reliability.md): a cache entry another user planted
 // never runs, the clang subprocess is bounded in time and its output is checked before it is
 // cached, and malformed objects are errors saying what is wrong.
+#include <elf.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -219,5 +220,28 @@ TEST_CASE("trust: a malformed object is an error that says what is wrong on ever
     other_machine[19] = std::byte{0};
     if (cpu::check_elf_object(object, 183).empty()) other_machine[18] = std::byte{62};
     CHECK_THROWS_WITH(dev.runtime().load("add", other_machine), Catch::Contains("this host is machine"));
+    // A relocation against the null symbol (JITLink crashes formatting its error for one): the
+    // call to getpid of a kernel gets its relocation's symbol set to 0.
+    const KernelSource calls_getpid{"declare i32 @getpid()\ndefine void @pid(ptr %o) {\n  %p = call i32 @getpid()\n"
+                                    "  store i32 %p, ptr %o\n  ret void\n}\n",
+                                    "int getpid(void);\nvoid pid(int* o) { o[0] = getpid(); }\n"};
+    const auto with_call = cpu::unwrap_object(dev.compiler().compile(calls_getpid.for_device(dev))).object;
+    Blob null_symbol(with_call.begin(), with_call.end());
+    Elf64_Ehdr header;
+    std::memcpy(&header, null_symbol.data(), sizeof header);
+    bool patched = false;
+    for (std::size_t i = 0; i < header.e_shnum && !patched; ++i) {
+      Elf64_Shdr section;
+      std::memcpy(&section, null_symbol.data() + header.e_shoff + i * sizeof section, sizeof section);
+      if (section.sh_type != SHT_RELA || section.sh_size < sizeof(Elf64_Rela)) continue;
+      Elf64_Rela rela;
+      std::memcpy(&rela, null_symbol.data() + section.sh_offset, sizeof rela);
+      rela.r_info = ELF64_R_INFO(0, ELF64_R_TYPE(rela.r_info));
+      std::memcpy(null_symbol.data() + section.sh_offset, &rela, sizeof rela);
+      patched = true;
+    }
+    REQUIRE(patched);
+    CHECK_THROWS_WITH(dev.runtime().load("pid", null_symbol),
+                      Catch::Contains("is not a loadable object") && Catch::Contains("names the null symbol"));
   });
 }
