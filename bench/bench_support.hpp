@@ -33,6 +33,16 @@ inline double ns_per_op(const std::function<void()>& op, std::size_t ops, int ba
   return samples[samples.size() / 2];
 }
 
+// One result row: what, tinydev's figure, the baseline's, their ratio, the target, whether met.
+using RowFn = std::function<void(std::string what, std::string lib, std::string base, std::string ratio,
+                                 std::string target, bool met)>;
+
+// bench_cpu_speed.cpp: the CPU rows users feel; `exe` is this program, re-run as a child for the
+// rows that need a fresh process (--child-handoff pinned|idle, --child-open DEVICE).
+void bench_cpu_speed(const RowFn& row, const std::string& exe);
+int child_handoff(const std::string& mode);
+int child_open(const std::string& device);
+
 inline std::string fmt_ns(double ns) {
   if (ns < 1e3) return fmt::format("{:.1f} ns", ns);
   if (ns < 1e6) return fmt::format("{:.2f} us", ns / 1e3);

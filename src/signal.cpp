@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 #include <linux/futex.h>
+#include <sched.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -34,21 +35,41 @@ void futex_wake_all(std::atomic<std::uint32_t>* word) {
 
 void SignalSlot::store(std::uint64_t v) noexcept {
   value.store(v, std::memory_order_seq_cst);
-  if (waiters.load(std::memory_order_seq_cst) != 0) {
+  if (waiters.load(std::memory_order_seq_cst) != 0 && v >= wake_at.load(std::memory_order_seq_cst)) {
+    // Woken sleepers whose value is not reached yet register again (Note [Signal waits]).
+    wake_at.store(~std::uint64_t{0}, std::memory_order_seq_cst);
     wake_seq.fetch_add(1, std::memory_order_seq_cst);
     futex_wake_all(&wake_seq);
   }
 }
 
+namespace detail {
+SpinBudget& this_thread_spin_budget() noexcept {
+  thread_local SpinBudget budget;
+  return budget;
+}
+std::int64_t spin_clock_ns() noexcept {
+  timespec ts{};
+  ::clock_gettime(CLOCK_MONOTONIC, &ts);
+  return static_cast<std::int64_t>(ts.tv_sec) * 1'000'000'000 + ts.tv_nsec;
+}
+void spin_yield() noexcept { ::sched_yield(); }
+}  // namespace detail
+
 // Note [Signal waits]
-// A waiter spins briefly (most waits in a pipelined queue end within microseconds, and a futex
-// round trip costs more than that), then sleeps on `wake_seq`. A store writes the value and, only
-// if someone is registered in `waiters`, bumps wake_seq and wakes: the common store (nobody
-// asleep) is one store and one load. A sleeper registers in `waiters`, then reads wake_seq, then
-// re-checks the value, and sleeps only while wake_seq is unchanged. All of these are seq_cst, so
-// (Dekker) either the store sees the registration and bumps wake_seq (the futex call then returns
-// at once, or the sleeper read the new wake_seq and so sees the new value), or the sleeper's
-// re-check sees the value. No wakeup is lost.
+// A waiter spins briefly (Note [Adaptive spinning]: most waits in a pipelined queue end within
+// microseconds, and a futex round trip costs more than that), then sleeps on `wake_seq`. A store
+// writes the value and, only if someone is registered in `waiters` and the value reaches
+// `wake_at` (the smallest value a sleeper wants), resets wake_at, bumps wake_seq and wakes: the
+// common store (nobody asleep, or nobody whose value is reached) is one store and two loads, and
+// a graph bumping its signal once per node wakes its waiter once, at the value it waits for.
+// A sleeper registers in `waiters`, reads wake_seq, lowers wake_at to its value, re-checks the
+// value, and sleeps only while wake_seq is unchanged. All of these are seq_cst, so (Dekker) either
+// the store sees the registration (its wake_at load follows the sleeper's lowering) and wakes, or
+// the sleeper's re-check sees the value. A store that resets wake_at after a sleeper lowered it
+// bumps wake_seq after that, and the sleeper read wake_seq before lowering, so its futex call
+// returns at once and it registers again. No wakeup is lost; a woken sleeper whose value is not
+// reached yet registers again.
 void wait_signal_slot(SignalSlot& slot, std::uint64_t wanted, std::chrono::nanoseconds timeout,
                       const Signal* handle) {
   auto poisoned = [&] {
@@ -57,11 +78,12 @@ void wait_signal_slot(SignalSlot& slot, std::uint64_t wanted, std::chrono::nanos
                              handle ? handle->describe() : "signal", wanted,
                              reason.empty() ? std::string("no reason recorded") : reason));
   };
-  // Polled slots spin on a time budget below instead (Note [Polled signals]).
-  for (int spin = 0; !slot.polled && spin < 4000; ++spin) {
+  // Polled slots spin on a fixed time budget below instead (Note [Polled signals]).
+  if (!slot.polled && detail::adaptive_spin([&] {
+        return slot.value.load(std::memory_order_acquire) >= wanted || slot.poisoned.load(std::memory_order_acquire);
+      })) {
     if (slot.value.load(std::memory_order_acquire) >= wanted) return;
-    if (slot.poisoned.load(std::memory_order_acquire)) throw poisoned();
-    detail::cpu_relax();
+    throw poisoned();
   }
   const auto now0 = std::chrono::steady_clock::now();
   const auto deadline = timeout >= std::chrono::steady_clock::time_point::max() - now0
@@ -94,6 +116,12 @@ void wait_signal_slot(SignalSlot& slot, std::uint64_t wanted, std::chrono::nanos
   while (true) {
     slot.waiters.fetch_add(1, std::memory_order_seq_cst);
     const std::uint32_t seq = slot.wake_seq.load(std::memory_order_seq_cst);
+    // Lower wake_at only when about to sleep: a waiter already satisfied would leave it below
+    // every remaining sleeper's value, and stores would wake them for nothing.
+    if (slot.value.load(std::memory_order_seq_cst) < wanted)
+      for (std::uint64_t at = slot.wake_at.load(std::memory_order_seq_cst);
+           wanted < at && !slot.wake_at.compare_exchange_weak(at, wanted, std::memory_order_seq_cst);) {
+      }
     const bool ready = slot.value.load(std::memory_order_seq_cst) >= wanted;
     const bool poison = slot.poisoned.load(std::memory_order_seq_cst) != 0;
     const auto now = std::chrono::steady_clock::now();
@@ -198,6 +226,7 @@ Signal SignalPool::alloc(std::uint64_t initial) {
   free_.pop_back();
   SignalSlot& s = chunks_[index / kChunk][index % kChunk];
   s.value.store(initial);
+  s.wake_at.store(~std::uint64_t{0});
   s.timestamp_ns.store(0);
   s.poisoned.store(0);
   s.poison_claim.store(0);

@@ -2,7 +2,11 @@
 // stdin, object on stdout: no temporary files, a TINYDEV_COMPILE_TIMEOUT limit), loaded by the CPU
 // object runtime (the fast ELF loader on x86-64; ORC's JITLink for the rest in builds with LLVM).
 #include <fmt/format.h>
+#include <sys/stat.h>
 #include <xxhash.h>
+
+#include <algorithm>
+#include <future>
 
 #include "cpu_blob.hpp"
 #include "cpu_hcq.hpp"
@@ -13,6 +17,7 @@
 #include "orc_linker.hpp"
 #endif
 #include "subprocess.hpp"
+#include "tinydev/compile.hpp"
 #include "tinydev/config.hpp"
 #include "tinydev/device.hpp"
 #include "tinydev/error.hpp"
@@ -33,14 +38,24 @@ const std::vector<std::string> kFlags = {"-c",          "-O2",         "-march=n
                                          "-fno-math-errno", "-fPIC",   "-x",            "c",
                                          "-",           "-o",          "-"};
 
+// Note [C signatures from clang]
+// A kernel's signature (how many buffers, how many int32 values) is read from clang's own LLVM IR
+// for the translation unit, made by a second clang process at -O0 that runs beside the compile:
+// what C spells a parameter (`int a[]`, a typedef'd pointer, a return type on another line, a
+// definition inside `#if 0` or a comment) is clang's business, and the IR's `define` lines say
+// exactly what the object exports. The two processes overlap, so a cold compile costs about
+// what it did; cached compiles run neither.
+const std::vector<std::string> kSignatureFlags = {"-S", "-emit-llvm", "-O0", "-g0", "-ffreestanding",
+                                                  "-fno-math-errno", "-march=native", "-x", "c", "-", "-o", "-"};
+
 class ClangCompiler final : public Compiler {
  public:
   ClangCompiler(std::string path, std::string version)
       : Compiler("compile_clang"), path_(std::move(path)), version_(std::move(version)) {
     const cpu::HostTarget& t = cpu::host_target();
     // -march=native makes the host CPU part of the output, so it is part of the key.
-    identity_ = fmt::format("{} [{}] {} {} host:{:016x} flags:{} blob:TDVCPU01a", path_, version_, t.triple,
-                            t.cpu, XXH3_64bits(t.fingerprint.data(), t.fingerprint.size()),
+    identity_ = fmt::format("{} [{}] {} {} host:{:016x} flags:{} signatures:clang-ir blob:TDVCPU01a", path_,
+                            version_, t.triple, t.cpu, XXH3_64bits(t.fingerprint.data(), t.fingerprint.size()),
                             fmt::join(kFlags, " "));
   }
 
@@ -49,24 +64,18 @@ class ClangCompiler final : public Compiler {
   const std::string& version() const noexcept { return version_; }
 
   Blob compile(std::string_view source) override {
+    const int timeout_s = settings().compile_timeout_s;
+    // Note [C signatures from clang]: the IR for the signatures is made beside the object.
+    std::vector<std::string> ir_argv{path_};
+    ir_argv.insert(ir_argv.end(), kSignatureFlags.begin(), kSignatureFlags.end());
+    std::future<clang_backend::ProcessResult> ir = std::async(std::launch::async, [&] {
+      return clang_backend::run_process(ir_argv, source, std::chrono::seconds(timeout_s));
+    });
     std::vector<std::string> argv{path_};
     argv.insert(argv.end(), kFlags.begin(), kFlags.end());
-    const int timeout_s = settings().compile_timeout_s;
     clang_backend::ProcessResult r = clang_backend::run_process(argv, source, std::chrono::seconds(timeout_s));
-    if (r.timed_out)
-      throw CompileError(fmt::format("{} did not finish compiling the kernel within {} s and was killed: "
-                                     "raise TINYDEV_COMPILE_TIMEOUT if the kernel is that large",
-                                     path_, timeout_s),
-                         r.err);
-    if (r.output_overflow)
-      throw CompileError(fmt::format("{} wrote more than {} bytes while compiling the kernel and was killed",
-                                     path_, clang_backend::kMaxOutputBytes),
-                         r.err.substr(0, 4096));
-    if (r.exit_code != 0)
-      throw CompileError(fmt::format("{} failed to compile the kernel ({})", path_,
-                                     r.exit_code < 0 ? std::string("its exit status was lost: was SIGCHLD ignored?")
-                                                     : fmt::format("exit code {}", r.exit_code)),
-                         r.err);
+    const clang_backend::ProcessResult signatures = ir.get();
+    check_finished(r, timeout_s, "compiling the kernel");
     // What came back is about to be cached and run: it must be an object for this host, or the
     // compile failed whatever the exit code says (a wrapper script, a broken install).
     const auto object = std::as_bytes(std::span(r.out.data(), r.out.size()));
@@ -75,23 +84,74 @@ class ClangCompiler final : public Compiler {
                                      "output began '{}'",
                                      path_, why, quote_for_message(std::string_view(r.out).substr(0, 64), 64)),
                          r.err);
-    return cpu::wrap_object(object, cpu::c_signatures(source));
+    check_finished(signatures, timeout_s, "writing the kernel's LLVM IR (for its signatures)");
+    return cpu::wrap_object(object, cpu::ir_signatures(signatures.out));
   }
 
  private:
+  // Throws the CompileError for a clang run that timed out, flooded its output or failed.
+  void check_finished(const clang_backend::ProcessResult& r, int timeout_s, std::string_view doing) const {
+    if (r.timed_out)
+      throw CompileError(fmt::format("{} did not finish {} within {} s and was killed: "
+                                     "raise TINYDEV_COMPILE_TIMEOUT if the kernel is that large",
+                                     path_, doing, timeout_s),
+                         r.err);
+    if (r.output_overflow)
+      throw CompileError(fmt::format("{} wrote more than {} bytes {} and was killed", path_,
+                                     clang_backend::kMaxOutputBytes, doing),
+                         r.err.substr(0, 4096));
+    if (r.exit_code != 0)
+      throw CompileError(fmt::format("{} failed {} ({})", path_, doing,
+                                     r.exit_code < 0 ? std::string("its exit status was lost: was SIGCHLD ignored?")
+                                                     : fmt::format("exit code {}", r.exit_code)),
+                         r.err);
+  }
+
   std::string path_, version_, identity_;
 };
+
+// Note [clang's identity, cached]
+// The compile cache key needs clang's version, and `clang --version` costs 15-20 ms: most of what
+// opening the device cost. The first line it prints is cached in the compile cache (whose entries
+// are trusted only when this user wrote them, Note [Cache trust]) under the binary's resolved
+// path, device, inode, size and mtime: a reinstalled or replaced clang changes one of them and is
+// asked again. A cached answer that is not one printable line is ignored.
+std::string clang_version_probe(const std::string& path) {
+  struct stat st {};
+  const bool stat_ok = ::stat(path.c_str(), &st) == 0;
+  const std::string probe =
+      stat_ok ? fmt::format("{}\n{}\n{}\n{}\n{}.{:09}", path, st.st_dev, st.st_ino, st.st_size, st.st_mtim.tv_sec,
+                            st.st_mtim.tv_nsec)
+              : std::string();
+  constexpr std::string_view kKey = "clang_version", kIdentity = "`clang --version`, first line (v1)";
+  if (stat_ok) {
+    if (std::optional<Blob> hit = DiskCache::global().get(kKey, kIdentity, probe)) {
+      std::string line(reinterpret_cast<const char*>(hit->data()), hit->size());
+      const bool printable = !line.empty() && line.size() < 512 &&
+                             std::all_of(line.begin(), line.end(), [](char c) { return c >= 0x20 && c < 0x7f; });
+      if (printable) return line;
+    }
+  }
+  clang_backend::ProcessResult r = clang_backend::run_process(
+      {path, "--version"}, "", std::chrono::seconds(std::min(30, settings().compile_timeout_s)));
+  if (r.exit_code != 0 || r.timed_out) return {};
+  std::string first_line = r.out.substr(0, r.out.find('\n'));
+  if (first_line.empty()) first_line = "(printed no version)";
+  for (char& c : first_line)
+    if (c < 0x20 || c >= 0x7f) c = '?';
+  if (first_line.size() >= 512) first_line.resize(511);
+  if (stat_ok) DiskCache::global().put(kKey, kIdentity, probe, std::as_bytes(std::span(first_line)));
+  return first_line;
+}
 
 std::unique_ptr<ClangCompiler> find_clang() {
   std::vector<std::string> tried = clang_candidates();
   for (const std::string& name : tried) {
     std::string path = clang_backend::find_on_path(name);
     if (path.empty()) continue;
-    clang_backend::ProcessResult r = clang_backend::run_process(
-        {path, "--version"}, "", std::chrono::seconds(std::min(30, settings().compile_timeout_s)));
-    if (r.exit_code != 0 || r.timed_out) continue;
-    std::string first_line = r.out.substr(0, r.out.find('\n'));
-    return std::make_unique<ClangCompiler>(path, first_line);
+    std::string version = clang_version_probe(path);
+    if (version.empty()) continue;
+    return std::make_unique<ClangCompiler>(path, version);
   }
   throw DeviceUnavailable(fmt::format(
       "CLANG: no clang compiler on PATH (looked for {} ... clang-14, clang): install one, e.g. "

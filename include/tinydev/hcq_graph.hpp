@@ -1,14 +1,18 @@
 // tinydev/hcq_graph.hpp: native graph replay on HCQ devices (the seed's HCQGraph).
 //
 // Note [HCQ graph replay]
-// Recording builds, once, one compute queue and one copy queue holding every node, and one block
-// of kernel arguments. Each node waits on the graph's own signal reaching its position and bumps
-// it when done, so nodes run in recorded order across the two queues; the compute queue starts by
-// waiting for the device timeline (work submitted before the replay) and ends by signalling it.
-// A replay patches, in place: the signal values (every replay uses fresh ones), the kernel-argument
-// slots of inputs and variables that changed since the last replay, and the copy commands whose
-// inputs changed; then it submits both queues. Kernel arguments are only rewritten after the
-// previous replay finished reading them.
+// Recording builds, twice, one compute queue and one copy queue holding every node, each pair with
+// its own block of kernel arguments; replays alternate between the two copies. Each node waits on
+// the graph's own signal reaching its position and bumps it when done, so nodes run in recorded
+// order across the two queues; the compute queue starts by waiting for the device timeline (work
+// submitted before the replay) and ends by signalling it. A replay patches its copy in place: the
+// signal values (every replay uses fresh ones), the kernel-argument slots of inputs and variables
+// that differ from what that copy last ran with, and the copy commands whose inputs differ; then
+// it submits both queues. Kernel arguments are only rewritten after the replay that last used
+// them finished reading them: with two copies that is the replay before the previous one, so a
+// replay with new inputs does not wait for the previous replay (double buffering), and patching a
+// queue whose last run ended copies nothing. A store that bumps the graph's signal wakes only a
+// waiter whose value it reaches (Note [Signal waits]): no futex call per node.
 //
 // Requirements on Device: tinydev::HCQDevice (tinydev/hcq_concepts.hpp).
 #pragma once
@@ -50,10 +54,12 @@ class HCQGraph final : public Graph {
                                           "with Device[\"{}\"].load_kernel",
                                           i, k->program->name(), device.name(), device.name()));
     }
-    kernargs_block_ = device.allocate_kernargs_block(std::max<std::size_t>(kernarg_bytes, 16));
     signal_ = device.alloc_signal(0);
     try {
-      record(offsets);
+      for (Copy& copy : copies_) {
+        copy.kernargs_block = device.allocate_kernargs_block(std::max<std::size_t>(kernarg_bytes, 16));
+        record(copy, offsets);
+      }
     } catch (...) {
       device.free_signal(signal_);
       throw;
@@ -80,24 +86,39 @@ class HCQGraph final : public Graph {
   }
 
  private:
-  void record(const std::vector<std::size_t>& offsets) {
+  // One copy of the graph's queues and kernel arguments (Note [HCQ graph replay]).
+  struct Copy {
+    std::shared_ptr<std::byte[]> kernargs_block;
+    std::vector<Kernargs> kernargs;
+    ComputeQueue compute;
+    CopyQueue copy;
+    std::uint64_t replays = 0, last_final = 0;  // replays that used this copy; the signal value ending the last
+    std::vector<Allocation> last_inputs;
+    std::vector<std::int32_t> last_variables;
+  };
+
+  void record(Copy& copy, const std::vector<std::size_t>& offsets) {
     Device& device = device_;
     std::lock_guard lock(device.submit_mutex());
+    // The node layout (uses, command indices) is the same in both copies: note it once.
+    const bool first_copy = &copy == &copies_[0];
+    ComputeQueue& compute_ = copy.compute;
+    CopyQueue& copy_ = copy.copy;
     compute_.wait(device.timeline_signal(), 0).signal(signal_, 0);
     for (std::size_t i = 0; i < nodes_.size(); ++i) {
-      NodeCommands& cmds = commands_.emplace_back();
+      NodeCommands cmds;
       if (auto* k = std::get_if<GraphKernel>(&nodes_[i])) {
         const auto* program = static_cast<const ProgramT*>(k->program.get());  // checked above
-        Kernargs args{kernargs_block_.get() + offsets[i], static_cast<std::uint32_t>(k->buffers.size()),
+        Kernargs args{copy.kernargs_block.get() + offsets[i], static_cast<std::uint32_t>(k->buffers.size()),
                       static_cast<std::uint32_t>(k->values.size())};
-        kernargs_.push_back(args);
+        copy.kernargs.push_back(args);
         for (std::size_t j = 0; j < k->buffers.size(); ++j) {
           if (k->buffers[j].fixed) args.set_buffer(j, k->buffers[j].fixed->va_addr);
-          else input_uses_.push_back({k->buffers[j].input, i, j, Use::kernarg});
+          else if (first_copy) input_uses_.push_back({k->buffers[j].input, i, j, Use::kernarg});
         }
         for (std::size_t j = 0; j < k->values.size(); ++j) {
           if (k->values[j].constant) args.set_value(j, *k->values[j].constant);
-          else variable_uses_.push_back({k->values[j].variable, kernargs_.size() - 1, j});
+          else if (first_copy) variable_uses_.push_back({k->values[j].variable, copy.kernargs.size() - 1, j});
         }
         cmds.on_compute = true;
         cmds.wait = compute_.size();
@@ -106,11 +127,11 @@ class HCQGraph final : public Graph {
         compute_.exec(*program, args, k->launch.global, k->launch.local);
         cmds.signal = compute_.size();
         compute_.signal(signal_, 0);
-        cmds.kernargs = kernargs_.size() - 1;
+        cmds.kernargs = copy.kernargs.size() - 1;
       } else {
         auto& c = std::get<GraphCopy>(nodes_[i]);
-        if (!c.dest.fixed) input_uses_.push_back({c.dest.input, i, 0, Use::copy_dest});
-        if (!c.src.fixed) input_uses_.push_back({c.src.input, i, 0, Use::copy_src});
+        if (first_copy && !c.dest.fixed) input_uses_.push_back({c.dest.input, i, 0, Use::copy_dest});
+        if (first_copy && !c.src.fixed) input_uses_.push_back({c.src.input, i, 0, Use::copy_src});
         // Inputs are patched in before the first replay; record with placeholders of the right size.
         Allocation placeholder{0, c.size, nullptr};
         cmds.wait = copy_.size();
@@ -120,6 +141,7 @@ class HCQGraph final : public Graph {
         cmds.signal = copy_.size();
         copy_.signal(signal_, 0);
       }
+      if (first_copy) commands_.push_back(cmds);
     }
     epilogue_wait_ = compute_.size();
     compute_.wait(signal_, 0);
@@ -133,26 +155,30 @@ class HCQGraph final : public Graph {
     check_replay(inputs, variables);
     const auto start = std::chrono::steady_clock::now();
     std::lock_guard lock(device_.submit_mutex());
-    const bool first = replays_ == 0;
-    // Kernel arguments the previous replay may still read: wait before rewriting any.
+    Copy& copy = copies_[replays_ % std::size(copies_)];
+    ComputeQueue& compute_ = copy.compute;
+    CopyQueue& copy_ = copy.copy;
+    const bool first = copy.replays == 0;
+    // Kernel arguments of this copy's last replay (the one before the previous): wait for it to
+    // finish reading them before rewriting any (usually it has).
     bool kernargs_change = first;
     for (const Use& u : input_uses_)
-      if (u.kind == Use::kernarg && (first || !(inputs[u.input] == last_inputs_[u.input]))) kernargs_change = true;
+      if (u.kind == Use::kernarg && (first || !(inputs[u.input] == copy.last_inputs[u.input]))) kernargs_change = true;
     for (const VarUse& u : variable_uses_)
-      if (first || variables[u.variable] != last_variables_[u.variable]) kernargs_change = true;
-    if (kernargs_change && !first) signal_.wait(last_final_);
+      if (first || variables[u.variable] != copy.last_variables[u.variable]) kernargs_change = true;
+    if (kernargs_change && !first) signal_.wait(copy.last_final);
     for (const Use& u : input_uses_) {
-      if (!first && inputs[u.input] == last_inputs_[u.input]) continue;
+      if (!first && inputs[u.input] == copy.last_inputs[u.input]) continue;
       const NodeCommands& cmds = commands_[u.node];
-      if (u.kind == Use::kernarg) kernargs_[cmds.kernargs].set_buffer(u.slot, inputs[u.input].va_addr);
+      if (u.kind == Use::kernarg) copy.kernargs[cmds.kernargs].set_buffer(u.slot, inputs[u.input].va_addr);
       else if (u.kind == Use::copy_dest) copy_.update_copy(cmds.op, inputs[u.input], std::nullopt);
       else copy_.update_copy(cmds.op, std::nullopt, inputs[u.input]);
     }
     for (const VarUse& u : variable_uses_)
-      if (first || variables[u.variable] != last_variables_[u.variable])
-        kernargs_[u.kernargs].set_value(u.slot, variables[u.variable]);
-    last_inputs_.assign(inputs.begin(), inputs.end());
-    last_variables_.assign(variables.begin(), variables.end());
+      if (first || variables[u.variable] != copy.last_variables[u.variable])
+        copy.kernargs[u.kernargs].set_value(u.slot, variables[u.variable]);
+    copy.last_inputs.assign(inputs.begin(), inputs.end());
+    copy.last_variables.assign(variables.begin(), variables.end());
 
     // Fresh signal values for this replay (Note [HCQ graph replay]).
     const std::uint64_t base = replays_ * (nodes_.size() + 1) + 1;
@@ -167,10 +193,18 @@ class HCQGraph final : public Graph {
     }
     compute_.update_wait(epilogue_wait_, std::nullopt, base + nodes_.size())
         .update_signal(epilogue_signal_, device_.timeline_signal(), timeline);
-    if (copy_.size()) copy_.submit(device_);
-    compute_.submit(device_);
+    // Note [Inline replay] (src/cpu/cpu_hcq.cpp): a device may run a waited-for replay on the caller.
+    bool ran_inline = false;
+    if constexpr (requires(Device& d) { d.run_inline_if_idle(compute_, copy_, timeline - 1); }) {
+      if (wait) ran_inline = device_.run_inline_if_idle(compute_, copy_, timeline - 1);
+    }
+    if (!ran_inline) {
+      if (copy_.size()) copy_.submit(device_);
+      compute_.submit(device_);
+    }
     replays_ += 1;
-    last_final_ = base + nodes_.size();
+    copy.replays += 1;
+    last_final_ = copy.last_final = base + nodes_.size();
     if (!wait) return std::nullopt;
     device_.wait_timeline(timeline);
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -190,18 +224,13 @@ class HCQGraph final : public Graph {
   };
 
   Device& device_;
-  std::shared_ptr<std::byte[]> kernargs_block_;
-  std::vector<Kernargs> kernargs_;
   Signal signal_;
-  ComputeQueue compute_;
-  CopyQueue copy_;
+  Copy copies_[2];
   std::vector<NodeCommands> commands_;
   std::vector<Use> input_uses_;
   std::vector<VarUse> variable_uses_;
   std::size_t epilogue_wait_ = 0, epilogue_signal_ = 0;
   std::uint64_t replays_ = 0, last_final_ = 0;
-  std::vector<Allocation> last_inputs_;
-  std::vector<std::int32_t> last_variables_;
 };
 
 }  // namespace tinydev

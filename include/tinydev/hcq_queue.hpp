@@ -8,8 +8,9 @@
 // number of times; no virtual call happens per command.
 //
 // Ownership: a queue owns its recorded commands. Submitting hands the device a reference-counted
-// snapshot, so a queue may be patched or destroyed right after submit (copy-on-write: patching a
-// queue whose snapshot is still queued copies it first).
+// snapshot, so a queue may be patched or destroyed right after submit: patching a queue whose
+// snapshot is still queued switches to a spare copy whose run ended, bringing over only the
+// commands patched since that copy was current (Note [Queue resubmission]).
 // Thread safety: one queue object is used by one thread at a time.
 #pragma once
 
@@ -180,21 +181,74 @@ class HWCommandQueue {
                                         to_string(want), cmd, to_string(kinds_[cmd])));
   }
 
-  // The words of command `cmd`, writable (copied first if a submitted snapshot shares them).
-  Command* command_words(std::size_t cmd) { return mutable_commands().data() + offsets_[cmd]; }
+  // The words of command `cmd`, writable (Note [Queue resubmission]: a queued snapshot is never
+  // written; the queue moves to a spare copy first).
+  Command* command_words(std::size_t cmd) {
+    exclusive();
+    for (Spare& spare : spares_) {
+      if (spare.all_stale) continue;
+      spare.stale.push_back(static_cast<std::uint32_t>(cmd));
+      if (spare.stale.size() > kinds_.size() / 4 + 16) spare.all_stale = true;  // a full copy is cheaper
+    }
+    return q_->data() + offsets_[cmd];
+  }
+  // The command words for recording (appending): every spare is stale afterwards.
   std::vector<Command>& mutable_commands() {
-    if (q_.use_count() > 1) q_ = std::make_shared<std::vector<Command>>(*q_);
-    else std::atomic_thread_fence(std::memory_order_acquire);  // the worker's release of its snapshot
-    return *q_;                                                   // happens before our writes
+    exclusive();
+    for (Spare& spare : spares_) spare.all_stale = true;
+    return *q_;
   }
   std::shared_ptr<const std::vector<Command>> snapshot() const { return q_; }
 
+ private:
+  // Note [Queue resubmission]
+  // A submitted snapshot is shared with the device until its run ends, and must not change. The
+  // queue keeps up to kMaxSpares earlier copies of its words; each knows which commands were
+  // patched since it was last current (or that it is wholly stale, after recording). Patching a
+  // queue whose current words are still queued switches to a spare whose run ended and copies over
+  // only those commands: resubmitting a recorded queue with new signal values costs a few command
+  // copies, not the whole vector. With every spare still queued (deep pipelining), a new spare is
+  // made by a full copy, up to kMaxSpares of them.
+  struct Spare {
+    std::shared_ptr<std::vector<Command>> words;
+    std::vector<std::uint32_t> stale;  // commands patched since these words were current
+    bool all_stale = false;
+  };
+  static constexpr std::size_t kMaxSpares = 4;
+
+  void exclusive() {
+    if (q_.use_count() == 1) {
+      std::atomic_thread_fence(std::memory_order_acquire);  // the worker's release of its snapshot
+      return;                                               // happens before our writes
+    }
+    for (Spare& spare : spares_) {
+      if (spare.words.use_count() != 1) continue;
+      std::atomic_thread_fence(std::memory_order_acquire);
+      if (spare.all_stale) {
+        *spare.words = *q_;  // same size: no allocation
+      } else {
+        for (std::uint32_t cmd : spare.stale)
+          std::copy_n(q_->data() + offsets_[cmd], lens_[cmd], spare.words->data() + offsets_[cmd]);
+      }
+      // The queued words become a spare that is current as of now.
+      std::swap(q_, spare.words);
+      spare.stale.clear();
+      spare.all_stale = false;
+      return;
+    }
+    auto copy = std::make_shared<std::vector<Command>>(*q_);
+    if (spares_.size() < kMaxSpares) spares_.push_back(Spare{std::move(q_), {}, false});
+    q_ = std::move(copy);
+  }
+
+ protected:
   void note_pool(const Signal& signal) {
     if (std::find(pools_.begin(), pools_.end(), signal.pool()) == pools_.end()) pools_.push_back(signal.pool());
   }
 
  private:
   std::shared_ptr<std::vector<Command>> q_;
+  std::vector<Spare> spares_;
   std::vector<std::uint32_t> offsets_, lens_;
   std::vector<CommandKind> kinds_;
   std::vector<const SignalPool*> pools_;

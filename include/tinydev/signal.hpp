@@ -16,6 +16,7 @@
 // Thread safety: all members may be used from any thread.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -36,6 +37,9 @@ struct alignas(64) SignalSlot {
   std::atomic<std::uint64_t> value{0};
   std::atomic<std::uint32_t> wake_seq{0};    // futex word: bumped when a store wakes sleepers
   std::atomic<std::uint32_t> waiters{0};     // sleeping host waiters (skip the wake syscall at 0)
+  // The smallest value a sleeping waiter wants (UINT64_MAX: none): a store below it wakes nobody
+  // (Note [Signal waits]), so a graph bumping its signal per node makes no futex call per node.
+  std::atomic<std::uint64_t> wake_at{~std::uint64_t{0}};
   std::atomic<std::uint32_t> poisoned{0};
   // Set by a pool whose slots a device writes without waking anyone (a GPU's stream memory
   // operation): host waiters then poll instead of sleeping on wake_seq (Note [Polled signals]).
@@ -147,6 +151,59 @@ inline void cpu_relax() noexcept {
 #elif defined(__aarch64__)
   asm volatile("yield");
 #endif
+}
+
+// Note [Adaptive spinning]
+// A thread about to sleep until another thread acts spins first, because a futex round trip
+// costs more than most hand-offs in a pipelined queue take. The spin is budgeted in time, not
+// iterations (a PAUSE costs 10 ns on one CPU and 140 ns on another), and the budget is each
+// thread's own and adapts: a spin that ended with the wait satisfied doubles it (up to 40 us), a
+// spin that ran out halves it (down to 0.5 us), so a thread whose waits are long or whose partner
+// cannot run stops spinning. The spin also yields the CPU every 2 us: when threads outnumber
+// cores, the thread we wait for may be waiting for our core, and a yield lets it run (on an idle
+// core the yield returns at once). A yield that took over 1 us means another thread did run on
+// our core: the next spins of this thread yield at once and between every few looks, so a
+// hand-off between threads sharing a core costs a context switch, not 2 us of spinning.
+struct SpinBudget {
+  static constexpr std::int64_t kMinNs = 500, kMaxNs = 40'000, kYieldEveryNs = 2'000, kContendedYieldNs = 1'000;
+  std::int64_t budget_ns = 10'000;
+  bool yield_early = false;  // the last yield ran another thread: our core is contended
+};
+SpinBudget& this_thread_spin_budget() noexcept;
+std::int64_t spin_clock_ns() noexcept;  // a monotonic clock (CLOCK_MONOTONIC through the vDSO)
+void spin_yield() noexcept;             // sched_yield
+
+// Spins until ready() or this thread's budget runs out (Note [Adaptive spinning]); returns ready().
+template <class Ready>
+bool adaptive_spin(Ready&& ready) {
+  for (int i = 0; i < 8; ++i) {  // the common pipelined case: ready within a few pauses
+    if (ready()) return true;
+    cpu_relax();
+  }
+  SpinBudget& budget = this_thread_spin_budget();
+  const std::int64_t start = spin_clock_ns();
+  const std::int64_t end = start + budget.budget_ns;
+  std::int64_t next_yield = start + (budget.yield_early ? 0 : SpinBudget::kYieldEveryNs);
+  while (true) {
+    for (int i = 0; i < 16; ++i) {
+      if (ready()) {
+        budget.budget_ns = std::min(SpinBudget::kMaxNs, budget.budget_ns * 2);
+        return true;
+      }
+      cpu_relax();
+    }
+    const std::int64_t now = spin_clock_ns();
+    if (now >= end) {
+      budget.budget_ns = std::max(SpinBudget::kMinNs, budget.budget_ns / 2);
+      return ready();
+    }
+    if (now >= next_yield) {
+      spin_yield();
+      const std::int64_t after = spin_clock_ns();
+      budget.yield_early = after - now > SpinBudget::kContendedYieldNs;
+      next_yield = after + (budget.yield_early ? 0 : SpinBudget::kYieldEveryNs);
+    }
+  }
 }
 }  // namespace detail
 

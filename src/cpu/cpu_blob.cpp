@@ -79,57 +79,111 @@ UnwrappedBlob unwrap_object(std::span<const std::byte> blob) {
   return out;
 }
 
-std::vector<KernelInfo> c_signatures(std::string_view src) {
+namespace {
+
+bool is_ir_name_char(char c) {
+  return std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '.' || c == '$' || c == '-';
+}
+
+// The kernel-ABI reading of one parameter ("ptr noalias noundef %0", "i32 noundef %n"): a buffer,
+// an int32 value, or neither (nullopt).
+enum class ParamKind { buffer, value, other };
+ParamKind param_kind(std::string_view param) {
+  const std::size_t a = param.find_first_not_of(" \t\r\n");
+  if (a == std::string_view::npos) return ParamKind::other;
+  param.remove_prefix(a);
+  // Passed in memory the callee owns a copy of, or a hidden return slot: not the kernel ABI.
+  for (std::string_view attribute : {"byval", "byref", "sret", "inalloca", "preallocated"})
+    for (std::size_t at = param.find(attribute); at != std::string_view::npos; at = param.find(attribute, at + 1)) {
+      const bool starts = at == 0 || !is_ir_name_char(param[at - 1]);
+      const std::size_t after = at + attribute.size();
+      const bool ends = after == param.size() || !is_ir_name_char(param[after]);
+      if (starts && ends) return ParamKind::other;
+    }
+  std::size_t type_end = 0;
+  while (type_end < param.size() && !std::isspace(static_cast<unsigned char>(param[type_end]))) ++type_end;
+  const std::string_view type = param.substr(0, type_end);
+  if (type == "ptr" || (type.size() > 1 && type.back() == '*')) return ParamKind::buffer;  // typed pointers too
+  if (type == "i32") return ParamKind::value;
+  return ParamKind::other;
+}
+
+}  // namespace
+
+std::vector<KernelInfo> ir_signatures(std::string_view ir) {
   std::vector<KernelInfo> out;
-  int depth = 0;
-  for (std::size_t i = 0; i < src.size(); ++i) {
-    const char c = src[i];
-    if (c == '{') ++depth;
-    else if (c == '}') --depth;
-    if (depth != 0 || c != '(') continue;
-    // An identifier right before '(' at top level, preceded by `void`, followed by `) {`.
-    std::size_t end = i;
-    while (end > 0 && std::isspace(static_cast<unsigned char>(src[end - 1]))) --end;
-    std::size_t begin = end;
-    while (begin > 0 && (std::isalnum(static_cast<unsigned char>(src[begin - 1])) || src[begin - 1] == '_')) --begin;
-    if (begin == end) continue;
-    std::string_view name = src.substr(begin, end - begin);
-    std::size_t line = src.rfind('\n', begin);
-    line = line == std::string_view::npos ? 0 : line + 1;
-    // The return type must be exactly `void` (not `void*`), on the line of the name.
-    std::string_view before = src.substr(line, begin - line);
-    while (!before.empty() && std::isspace(static_cast<unsigned char>(before.back()))) before.remove_suffix(1);
-    if (!before.ends_with("void") || before.find("static") != std::string_view::npos) continue;
-    std::size_t close = src.find(')', i);
-    if (close == std::string_view::npos) break;
-    std::size_t after = close + 1;
-    while (after < src.size() && std::isspace(static_cast<unsigned char>(src[after]))) ++after;
-    if (after >= src.size() || src[after] != '{') continue;
-    std::string_view params = src.substr(i + 1, close - i - 1);
+  std::size_t line_start = 0;
+  while (line_start < ir.size()) {
+    std::size_t line_end = ir.find('\n', line_start);
+    if (line_end == std::string_view::npos) line_end = ir.size();
+    const std::string_view line = ir.substr(line_start, line_end - line_start);
+    const std::size_t next = line_end + 1;
+    if (!line.starts_with("define ")) {
+      line_start = next;
+      continue;
+    }
+    line_start = next;
+    // define [linkage] [visibility] [dso_local] [cc] [ret attrs] <ret type> @name(<params>) ...
+    const std::size_t at = line.find('@');
+    if (at == std::string_view::npos) continue;
+    const std::string_view head = line.substr(0, at);
+    bool local = false;
+    for (std::string_view linkage : {" internal ", " private "})
+      if (head.find(linkage) != std::string_view::npos) local = true;
+    if (local) continue;  // `static` in C: not callable from outside the object
+    std::size_t i = at + 1;
+    std::string name;
+    if (i < line.size() && line[i] == '"') {
+      const std::size_t close = line.find('"', i + 1);
+      if (close == std::string_view::npos) continue;
+      name = std::string(line.substr(i + 1, close - i - 1));
+      i = close + 1;
+    } else {
+      while (i < line.size() && is_ir_name_char(line[i])) name += line[i++];
+    }
+    if (name.empty() || i >= line.size() || line[i] != '(') continue;
+    // The parameter list, split at top-level commas (types nest in (), [], {}, <>).
+    std::vector<std::string_view> params;
+    int depth = 0;
+    std::size_t param_start = i + 1;
+    bool closed = false;
+    for (std::size_t j = i + 1; j < line.size() && !closed; ++j) {
+      const char c = line[j];
+      if (c == '(' || c == '[' || c == '{' || c == '<') ++depth;
+      else if ((c == ']' || c == '}' || c == '>') && depth > 0) --depth;
+      else if (c == ')') {
+        if (depth == 0) {
+          params.push_back(line.substr(param_start, j - param_start));
+          closed = true;
+        } else {
+          --depth;
+        }
+      } else if (c == ',' && depth == 0) {
+        params.push_back(line.substr(param_start, j - param_start));
+        param_start = j + 1;
+      }
+    }
+    if (!closed) continue;
+    if (params.size() == 1 && params[0].find_first_not_of(" \t") == std::string_view::npos) params.clear();
     KernelSignature sig;
-    bool readable = params.find('(') == std::string_view::npos && params.find("...") == std::string_view::npos;
-    std::size_t start = 0;
-    while (readable && start <= params.size()) {
-      std::size_t comma = params.find(',', start);
-      std::string_view param = params.substr(start, comma == std::string_view::npos ? std::string_view::npos : comma - start);
-      std::size_t a = param.find_first_not_of(" \t\n");
-      std::string_view trimmed = a == std::string_view::npos ? std::string_view() : param.substr(a);
-      if (!(trimmed.empty() || trimmed == "void")) {
-        if (param.find('*') != std::string_view::npos) {
+    bool readable = true;
+    for (std::string_view p : params) {
+      switch (param_kind(p)) {
+        case ParamKind::buffer:
           if (sig.num_values) readable = false;  // a buffer after a value: not the kernel ABI
           ++sig.num_buffers;
-        } else if (param.find("float") != std::string_view::npos || param.find("double") != std::string_view::npos ||
-                   param.find("long") != std::string_view::npos || param.find("_Float16") != std::string_view::npos ||
-                   param.find("__bf16") != std::string_view::npos) {
-          readable = false;  // not an int32 value: not the kernel ABI
-        } else {
+          break;
+        case ParamKind::value:
           ++sig.num_values;
-        }
+          break;
+        case ParamKind::other:
+          readable = false;  // a float, 64-bit or aggregate value, or `...`
+          break;
       }
-      if (comma == std::string_view::npos) break;
-      start = comma + 1;
     }
-    if (readable) out.push_back(KernelInfo{std::string(name), sig});
+    // The blob header stores each count in 16 bits.
+    if (readable && sig.num_buffers <= 0xffff && sig.num_values <= 0xffff)
+      out.push_back(KernelInfo{std::move(name), sig});
   }
   return out;
 }

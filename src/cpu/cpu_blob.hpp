@@ -34,11 +34,13 @@ struct UnwrappedBlob {
 // Throws InvalidArgument for a blob with the magic and a malformed header.
 UnwrappedBlob unwrap_object(std::span<const std::byte> blob);
 
-// Signatures of the non-static function definitions in C source `void name(T* a, ..., int n)`
-// (return type `void` on the line of the name): parameters with a '*' are buffers, integer ones
-// int32 values. Functions it cannot read (buffers after values, float or 64-bit values, variadics)
-// are left out: their launches are not checked. A scanner, not a C parser: braces in comments or
-// strings at file scope confuse it (generated kernels have none).
-std::vector<KernelInfo> c_signatures(std::string_view source);
+// Signatures of the non-internal function definitions in LLVM IR text (`define ... @name(ptr %a,
+// ..., i32 %n)`), the kernel ABI's reading of them: `ptr` parameters are buffers, `i32` ones int32
+// values. Functions that do not fit the ABI (a buffer after a value, a float, 64-bit or aggregate
+// value, byval/sret parameters, variadics) are left out: their launches are not checked. The
+// CLANG backend reads C kernels' signatures from clang's own IR for the translation unit (Note
+// [C signatures from clang]), so what C spells a parameter (`int a[]`, a typedef'd pointer, a
+// return type on the line before) never matters.
+std::vector<KernelInfo> ir_signatures(std::string_view ir);
 
 }  // namespace tinydev::cpu

@@ -138,8 +138,9 @@ void CpuQueueWorker::submit(std::shared_ptr<const std::vector<CpuCommand>> comma
 void CpuQueueWorker::run() {
   std::uint64_t taken = 0;
   while (true) {
-    // A pipelined producer submits again within microseconds: spin a little before sleeping.
-    for (int spin = 0; spin < 2000 && submitted_.load(std::memory_order_acquire) == taken; ++spin) detail::cpu_relax();
+    // A pipelined producer submits again within microseconds: spin a little before sleeping
+    // (Note [Adaptive spinning]: the budget shrinks when the producer does not come back soon).
+    detail::adaptive_spin([&] { return submitted_.load(std::memory_order_acquire) != taken; });
     std::shared_ptr<const std::vector<CpuCommand>> next;
     {
       std::unique_lock lock(mutex_);
@@ -153,13 +154,16 @@ void CpuQueueWorker::run() {
       pending_.pop_front();
     }
     taken += 1;
-    execute(*next);
+    execute_commands(*next, 0, device_, lane_, /*blocking=*/true);
+    next.reset();  // the snapshot's release happens before the queue sees it unshared
+    finished_.fetch_add(1, std::memory_order_release);
   }
 }
 
-void CpuQueueWorker::execute(const std::vector<CpuCommand>& commands) {
+std::size_t execute_commands(const std::vector<CpuCommand>& commands, std::size_t from, const std::string& device,
+                             const std::string& lane, bool blocking) {
   const bool profiling = Profiler::global().enabled();
-  std::size_t i = 0;
+  std::size_t i = from;
   try {
     for (; i < commands.size(); ++i) {
       const CpuCommand& c = commands[i];
@@ -168,6 +172,9 @@ void CpuQueueWorker::execute(const std::vector<CpuCommand>& commands) {
           c.signal->store(c.value);
           break;
         case CommandKind::wait:
+          if (!blocking && c.signal->value.load(std::memory_order_acquire) < c.value &&
+              !c.signal->poisoned.load(std::memory_order_acquire))
+            return i;
           while (c.signal->value.load(std::memory_order_acquire) < c.value)
             wait_signal_slot(*c.signal, c.value, std::chrono::hours(1), nullptr);
           break;
@@ -188,9 +195,9 @@ void CpuQueueWorker::execute(const std::vector<CpuCommand>& commands) {
           const std::uint64_t start = profiling ? Profiler::now_ns() : 0;
           c.program->launch(args, c.num_buffers + c.num_values, c.global);
           const std::int64_t launched = GlobalCounters::kernel_count.fetch_add(1, std::memory_order_relaxed) + 1;
-          debug_log(2, "*** {:<7} {:>6} {:<40} arg {:>3} (queued)", device_, launched, c.program->name(),
+          debug_log(2, "*** {:<7} {:>6} {:<40} arg {:>3} (queued)", device, launched, c.program->name(),
                     c.num_buffers + c.num_values);
-          if (profiling) Profiler::global().add(ProfileEvent{c.program->name(), start, Profiler::now_ns(), device_, lane_});
+          if (profiling) Profiler::global().add(ProfileEvent{c.program->name(), start, Profiler::now_ns(), device, lane});
           break;
         }
         case CommandKind::copy:
@@ -201,11 +208,12 @@ void CpuQueueWorker::execute(const std::vector<CpuCommand>& commands) {
   } catch (const std::exception& e) {
     // Note [Queue failure]: the rest of this submission does not run; every signal it would have
     // set is poisoned, so whoever waits for this work gets the reason instead of a hang.
-    const std::string reason = fmt::format("{} {} queue: command {} ({}) failed: {}", device_, lane_, i,
+    const std::string reason = fmt::format("{} {} queue: command {} ({}) failed: {}", device, lane, i,
                                            to_string(commands[i].kind), e.what());
     for (std::size_t j = i; j < commands.size(); ++j)
       if (commands[j].kind == CommandKind::signal) commands[j].signal->poison(reason);
   }
+  return commands.size();
 }
 
 // ---- allocator ------------------------------------------------------------------------------------
@@ -297,6 +305,36 @@ std::shared_ptr<std::byte[]> CpuHCQDevice::allocate_kernargs_block(std::size_t b
 
 void CpuHCQDevice::before_direct_call() {
   if (!idle()) wait_timeline(timeline_value() - 1);
+}
+
+// Note [Inline replay]
+// A graph replayed and waited for on an idle device runs on the calling thread, as a direct call
+// or a copyin on an idle device does: handing it to the workers and waiting costs two thread
+// hand-offs (microseconds, tens of them when threads outnumber cores) for work that may take
+// less. Its compute and copy lists run in turns, each until it reaches a wait whose value is not
+// there yet; the graph's signal orders them, so one of the two can always go on. Should both wait
+// on something else (a signal neither list sets), the rest goes to the workers as usual.
+bool CpuHCQDevice::run_inline_if_idle(const CpuComputeQueue& compute, const CpuCopyQueue& copy, std::uint64_t before) {
+  if (timeline_signal().slot().value.load(std::memory_order_acquire) < before || !compute_worker_.idle() ||
+      !copy_worker_.idle())
+    return false;
+  const auto compute_words = compute.words(), copy_words = copy.words();
+  std::size_t at_compute = 0, at_copy = 0;
+  while (at_compute < compute_words->size() || at_copy < copy_words->size()) {
+    const std::size_t before_compute = at_compute, before_copy = at_copy;
+    at_compute = execute_commands(*compute_words, at_compute, name(), "COMPUTE", /*blocking=*/false);
+    at_copy = execute_commands(*copy_words, at_copy, name(), "DMA", /*blocking=*/false);
+    if (at_compute == before_compute && at_copy == before_copy) {
+      // Both wait for a signal from elsewhere: the workers take the rest.
+      if (at_copy < copy_words->size())
+        copy_worker_.submit(std::make_shared<const std::vector<CpuCommand>>(copy_words->begin() + at_copy, copy_words->end()));
+      if (at_compute < compute_words->size())
+        compute_worker_.submit(
+            std::make_shared<const std::vector<CpuCommand>>(compute_words->begin() + at_compute, compute_words->end()));
+      break;
+    }
+  }
+  return true;
 }
 
 std::unique_ptr<Graph> CpuHCQDevice::create_graph(std::vector<GraphNode> nodes) {

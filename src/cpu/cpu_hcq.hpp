@@ -71,6 +71,8 @@ class CpuComputeQueue final : public HWComputeQueue<CpuComputeQueue, CpuCommand,
   }
   void _update_exec(std::size_t cmd, Dim3 global, Dim3 local);
   void _submit(Compiled& device);
+  // The recorded words as they stand (for CpuHCQDevice::run_inline_if_idle).
+  std::shared_ptr<const std::vector<CpuCommand>> words() const { return snapshot(); }
 };
 
 class CpuCopyQueue final : public HWCopyQueue<CpuCopyQueue, CpuCommand> {
@@ -92,7 +94,16 @@ class CpuCopyQueue final : public HWCopyQueue<CpuCopyQueue, CpuCommand> {
   }
   void _update_copy(std::size_t cmd, const std::optional<Allocation>& dest, const std::optional<Allocation>& src);
   void _submit(Compiled& device);
+  // The recorded words as they stand (for CpuHCQDevice::run_inline_if_idle).
+  std::shared_ptr<const std::vector<CpuCommand>> words() const { return snapshot(); }
 };
+
+// Runs commands [from, to) of one submission on the calling thread. A command that throws stops
+// it: every signal the rest would set is poisoned with the reason (Note [Queue failure]), and the
+// result is `to`. Without `blocking`, it stops before a wait whose value is not reached (returning
+// that command's index) instead of sleeping.
+std::size_t execute_commands(const std::vector<CpuCommand>& commands, std::size_t from, const std::string& device,
+                             const std::string& lane, bool blocking);
 
 // Executes submitted command lists in order on one thread.
 class CpuQueueWorker {
@@ -100,15 +111,19 @@ class CpuQueueWorker {
   CpuQueueWorker(std::string device, std::string lane);
   ~CpuQueueWorker();
   void submit(std::shared_ptr<const std::vector<CpuCommand>> commands);
+  // Whether everything submitted has finished running (nothing queued, nothing running).
+  bool idle() const noexcept {
+    return finished_.load(std::memory_order_acquire) == submitted_.load(std::memory_order_acquire);
+  }
 
  private:
   void run();
-  void execute(const std::vector<CpuCommand>& commands);
   std::string device_, lane_;
   std::mutex mutex_;
   std::condition_variable wake_;
   std::deque<std::shared_ptr<const std::vector<CpuCommand>>> pending_;
   std::atomic<std::uint64_t> submitted_{0};
+  std::atomic<std::uint64_t> finished_{0};
   bool sleeping_ = false;
   bool stop_ = false;
   std::thread thread_;
@@ -153,6 +168,11 @@ class CpuHCQDevice : public HCQCompiled<CpuComputeQueue, CpuCopyQueue>, public C
   std::shared_ptr<std::byte[]> allocate_kernargs_block(std::size_t bytes) const;
 
   void before_direct_call() override;
+  // Note [Inline replay]: runs a graph's two queues on the calling thread, interleaved in signal
+  // order, when the device is idle (its timeline at `before`, the value before the graph's, and
+  // both workers idle), and returns true; returns false, running nothing, otherwise. The caller
+  // holds submit_mutex().
+  bool run_inline_if_idle(const CpuComputeQueue& compute, const CpuCopyQueue& copy, std::uint64_t before);
   // Graphs are native (HCQGraph over these queues).
   bool supports_graph() const noexcept override { return true; }
   std::unique_ptr<Graph> create_graph(std::vector<GraphNode> nodes) override;

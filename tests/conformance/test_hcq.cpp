@@ -66,6 +66,35 @@ TEST_CASE("hcq: update_signal and update_wait patch a recorded queue - which res
   }, Needs{});
 }
 
+// Note [Queue resubmission]: patching a queue never changes a snapshot still queued.
+TEST_CASE("hcq: resubmitting while earlier submissions are still queued leaves them as submitted", "[hcq]") {
+  for_each_hcq_device([](auto& dev) {
+    Signal gate = dev.alloc_signal(0);
+    std::vector<Signal> out;
+    for (int i = 0; i < 12; ++i) out.push_back(dev.alloc_signal(0));
+    const std::uint64_t base = 1 + fresh_seed() % 1000;
+    typename std::remove_cvref_t<decltype(dev)>::compute_queue_type q;
+    q.wait(gate, 1).signal(out[0], 0).memory_barrier().signal(out[0], 0);
+    for (int round = 0; round < 2; ++round) {
+      // All 12 wait behind the gate (more than the queue keeps spare copies of).
+      for (int i = 0; i < 12; ++i)
+        q.update_wait(0, std::nullopt, round * 100 + 1)
+            .update_signal(1, out[i], base + round * 1000 + i)
+            .update_signal(3, out[i], base + round * 1000 + i + 1)
+            .submit(dev);
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      for (const Signal& s : out) CHECK(s.value() == (round == 0 ? 0 : base + 1000 * (round - 1) + (&s - &out[0]) + 1));
+      gate.set(round * 100 + 1);
+      for (int i = 0; i < 12; ++i) {
+        out[i].wait(base + round * 1000 + i + 1, std::chrono::milliseconds(5000));
+        CHECK(out[i].value() == base + round * 1000 + i + 1);
+      }
+    }
+    dev.free_signal(gate);
+    for (const Signal& s : out) dev.free_signal(s);
+  }, Needs{});
+}
+
 TEST_CASE("hcq: one exec and two kernels ping-ponged 100 times giving 200", "[hcq]") {
   for_each_hcq_device([](auto& dev) {
     auto ping = load_program(dev, "ping", inc_kernel("ping"));

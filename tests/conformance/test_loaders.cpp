@@ -153,22 +153,62 @@ TEST_CASE("loaders: ten thousand mutated objects per device load or fail cleanly
   });
 }
 
-TEST_CASE("loaders: C kernel signatures are read from the source", "[loaders][host]") {
-  auto sig = [](std::string_view src, std::string_view name) -> std::optional<KernelSignature> {
-    for (const auto& k : cpu::c_signatures(src))
+TEST_CASE("loaders: kernel signatures are read from LLVM IR define lines", "[loaders][host]") {
+  auto sig = [](std::string_view ir, std::string_view name) -> std::optional<KernelSignature> {
+    for (const auto& k : cpu::ir_signatures(ir))
       if (k.name == name) return k.signature;
     return std::nullopt;
   };
-  CHECK(sig("void add(float* restrict o, const float* restrict a, int n) { o[0] = a[0]; }", "add") ==
+  CHECK(sig("define dso_local void @add(ptr noalias noundef %0, ptr noundef %1, i32 noundef %2) #0 {", "add") ==
         KernelSignature{2, 1});
-  CHECK(sig("void none(void) {}", "none") == KernelSignature{0, 0});
-  CHECK(sig("void grid(int* o, int k, int idx) { o[idx] = k; }", "grid") == KernelSignature{1, 2});
-  CHECK_FALSE(sig("void* not_a_kernel(int* a) { return a; }", "not_a_kernel"));
-  CHECK_FALSE(sig("static void helper(int* a) {}", "helper"));
-  CHECK_FALSE(sig("void f(float* a, float s) { a[0] = s; }", "f"));  // a float value: not the ABI
-  CHECK_FALSE(sig("void g(int n, int* a) {}", "g"));                 // a buffer after a value
-  CHECK_FALSE(sig("void decl(int* a);", "decl"));                     // a declaration, no body
-  const std::string two = "void a1(int* x) { { } }\nvoid a2(int* x, int y) {}\n";
+  CHECK(sig("define void @none() {", "none") == KernelSignature{0, 0});
+  CHECK(sig("define void @\"quoted name\"(ptr %a) {", "quoted name") == KernelSignature{1, 0});
+  CHECK(sig("define void @typed(float* %a, i32 %n) {", "typed") == KernelSignature{1, 1});  // typed pointers
+  CHECK_FALSE(sig("define internal void @helper(ptr %a) {", "helper"));   // `static`
+  CHECK_FALSE(sig("define private void @p(ptr %a) {", "p"));
+  CHECK_FALSE(sig("define void @f(ptr %a, float %s) {", "f"));            // a float value: not the ABI
+  CHECK_FALSE(sig("define void @g(i32 %n, ptr %a) {", "g"));              // a buffer after a value
+  CHECK_FALSE(sig("define void @w(ptr %a, i64 %n) {", "w"));              // a 64-bit value
+  CHECK_FALSE(sig("define void @v(ptr %a, ...) {", "v"));                 // variadic
+  CHECK_FALSE(sig("define void @s(ptr noundef byval({ i32, i32 }) align 8 %0) {", "s"));  // a struct by value
+  CHECK_FALSE(sig("declare void @decl(ptr)", "decl"));                     // a declaration, no body
+  CHECK_FALSE(sig("define void @open(ptr %a, i32 %n", "open"));           // no closing parenthesis
+  CHECK(sig("define void @agg(ptr %a, i32 %n) {\n  %v = insertvalue { i32, [2 x i32] } undef, i32 %n, 0\n", "agg") ==
+        KernelSignature{1, 1});
+  const std::string two = "define void @a1(ptr %x) {\n  ret void\n}\ndefine void @a2(ptr %x, i32 %y) {\n  ret void\n}\n";
   CHECK(sig(two, "a1") == KernelSignature{1, 0});
   CHECK(sig(two, "a2") == KernelSignature{1, 1});
+}
+
+// Note [C signatures from clang]: C spellings a text scanner misreads.
+TEST_CASE("loaders: C kernel signatures are clang's whatever the C spelling and correct launches run", "[loaders][host]") {
+  for_each_backend(Needs{.kernels = true, .language = SourceLanguage::C}, [](Compiled& dev) {
+    const std::string src =
+        "typedef float* floatp;\n"
+        "/* void commented(int* a) { } */\n"
+        "#if 0\nvoid hidden(int* a, int b, int c) {}\n#endif\n"
+        "const char* text = \"void in_string(int* a) {\";\n"
+        "void\nscale(floatp restrict out,\n      const float in[], int n, int k) {\n"
+        "  for (int i = 0; i < n; i++) out[i] = in[i] * (float)k;\n}\n"
+        "static void helper(int* a) { a[0] = 0; }\n"
+        "void (*not_a_kernel)(int*) = helper;\n";
+    auto prg = dev.load_kernel("scale", src);
+    REQUIRE(prg->signature());
+    CHECK(*prg->signature() == KernelSignature{2, 2});
+    const std::vector<float> in = random_floats(257, 0x5ca1e);
+    Buffer bi(dev.name(), in.size(), dtypes::float32), bo(dev.name(), in.size(), dtypes::float32);
+    bi.allocate().copyin(std::span<const float>(in));
+    bo.allocate();
+    const Allocation bufs[] = {bo.allocation(), bi.allocation()};
+    const std::int32_t vals[] = {static_cast<std::int32_t>(in.size()), 3};
+    (*prg)(bufs, vals, LaunchParams{.wait = true});
+    std::vector<float> out(in.size());
+    bo.copyout(std::span<float>(out));
+    for (std::size_t i = 0; i < in.size(); ++i) REQUIRE(out[i] == in[i] * 3.0f);
+    // A wrong count is still refused (the signature is real), naming both counts.
+    CHECK_THROWS_WITH((*prg)(bufs, std::vector<std::int32_t>{3}), Catch::Contains("2 buffers and 2 values"));
+    // The kernels in a comment, `#if 0` or a string do not exist.
+    for (const char* ghost : {"commented", "hidden", "in_string"})
+      CHECK_THROWS_AS(dev.runtime().load(ghost, dev.compiler().compile_cached(src)), Error);
+  });
 }

@@ -7,7 +7,9 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
+#include <iterator>
 #include <fstream>
 #include <sstream>
 
@@ -183,13 +185,52 @@ TEST_CASE("trust: a clang that hangs is a CompileError after TINYDEV_COMPILE_TIM
   ScopedOverride folder("TINYDEV_CACHE_DIR", cache.str());
   FakeClang hangs("exec /bin/sleep 60");
   Compiled& dev = clang_device_with(hangs, "CLANG:61");
+  const std::size_t at_open = entries_in(cache.str());  // the fake clang's cached version line (at most)
+  CHECK(at_open <= 1);
   ScopedOverride timeout("TINYDEV_COMPILE_TIMEOUT", "1");
   const auto start = std::chrono::steady_clock::now();
   CHECK_THROWS_WITH(dev.compiler().compile_cached(kernels::add_f32(SourceLanguage::C)),
                     Catch::Contains("did not finish compiling the kernel within 1 s and was killed") &&
                         Catch::Contains("TINYDEV_COMPILE_TIMEOUT"));
   CHECK(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() < 10.0);
-  CHECK(entries_in(cache.str()) == 0);
+  CHECK(entries_in(cache.str()) == at_open);
+}
+
+// Note [clang's identity, cached]
+TEST_CASE("trust: clang's version is asked once per binary and again when the binary changes", "[trust]") {
+  if (!in_this_run("CLANG")) return;
+  TempDir cache;
+  ScopedOverride folder("TINYDEV_CACHE_DIR", cache.str());
+  const std::string real = clang_backend::find_on_path("clang-19").empty() ? "clang" : "clang-19";
+  const std::string real_path = clang_backend::find_on_path(real);
+  if (real_path.empty()) return;
+  FakeClang fake("exec " + real_path + " \"$@\"");
+  const std::string script = fake.dir.str() + "/clang", asked = fake.dir.str() + "/asked";
+  auto write_script = [&](const std::string& version) {
+    std::ofstream(script) << "#!/bin/sh\nif [ \"$1\" = \"--version\" ]; then echo x >> " << asked << "; echo '"
+                          << version << "'; exit 0; fi\nexec " << real_path << " \"$@\"\n";
+  };
+  auto times_asked = [&] {
+    std::ifstream in(asked);
+    return std::count(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>(), '\n');
+  };
+  write_script("fake clang version 1.0");
+  Compiled& first = clang_device_with(fake, "CLANG:57");
+  CHECK(times_asked() == 1);
+  CHECK_THAT(first.properties().at("compiler"), Catch::Contains("fake clang version 1.0"));
+  DiskCache::global().drop_memory_layer();  // the next open reads the answer from disk
+  Compiled& second = clang_device_with(fake, "CLANG:58");
+  CHECK(times_asked() == 1);
+  CHECK(second.compiler().identity() == first.compiler().identity());
+  // A replaced binary (another size and mtime) is asked again, and its answer is in the key.
+  ::usleep(20000);
+  write_script("fake clang version 2.0 (a longer line)");
+  Compiled& third = clang_device_with(fake, "CLANG:59");
+  CHECK(times_asked() == 2);
+  CHECK_THAT(third.compiler().identity(), Catch::Contains("fake clang version 2.0"));
+  // The cached answer changes nothing about compiling: a kernel compiles and runs.
+  auto prg = second.load_kernel("add", kernels::add_f32(SourceLanguage::C));
+  CHECK(prg->signature() == KernelSignature{3, 1});
 }
 
 TEST_CASE("trust: a clang that prints garbage is a CompileError quoting it and nothing is cached", "[trust]") {
@@ -198,12 +239,14 @@ TEST_CASE("trust: a clang that prints garbage is a CompileError quoting it and n
   ScopedOverride folder("TINYDEV_CACHE_DIR", cache.str());
   FakeClang garbage("cat >/dev/null; printf 'this is not an object file'; exit 0");
   Compiled& dev = clang_device_with(garbage, "CLANG:62");
+  const std::size_t at_open = entries_in(cache.str());  // the fake clang's cached version line (at most)
+  CHECK(at_open <= 1);
   const std::string src = kernels::add_f32(SourceLanguage::C);
   CHECK_THROWS_AS(dev.compiler().compile_cached(src), CompileError);
   CHECK_THROWS_WITH(dev.compiler().compile_cached(src),
                     Catch::Contains("did not produce an object file for this host") &&
                         Catch::Contains("began 'this is not an object file'"));
-  CHECK(entries_in(cache.str()) == 0);
+  CHECK(entries_in(cache.str()) == at_open);
   DiskCache::global().drop_memory_layer();
   CHECK_THROWS_AS(dev.load_kernel("add", src), CompileError);  // still not cached: compiled (and refused) again
 }
@@ -225,7 +268,8 @@ TEST_CASE("trust: a malformed object is an error that says what is wrong on ever
     const KernelSource calls_getpid{"declare i32 @getpid()\ndefine void @pid(ptr %o) {\n  %p = call i32 @getpid()\n"
                                     "  store i32 %p, ptr %o\n  ret void\n}\n",
                                     "int getpid(void);\nvoid pid(int* o) { o[0] = getpid(); }\n"};
-    const auto with_call = cpu::unwrap_object(dev.compiler().compile(calls_getpid.for_device(dev))).object;
+    const Blob with_call_blob = dev.compiler().compile(calls_getpid.for_device(dev));  // outlives the span
+    const auto with_call = cpu::unwrap_object(with_call_blob).object;
     Blob null_symbol(with_call.begin(), with_call.end());
     Elf64_Ehdr header;
     std::memcpy(&header, null_symbol.data(), sizeof header);

@@ -1,5 +1,6 @@
 #include <nlohmann/json.hpp>
 
+#include <atomic>
 #include <fstream>
 #include <new>
 #include <thread>
@@ -60,6 +61,41 @@ TEST_CASE("signal: a sleeping waiter wakes on set and times out naming what it s
   s.set(3);
   CHECK_THROWS_WITH(s.wait(4, 30ms), Catch::Contains("WAKE signal") && Catch::Contains("to reach 4") &&
                                          Catch::Contains("it is at 3"));
+}
+
+// Note [Signal waits]: a store wakes sleepers only at the value they wait for.
+TEST_CASE("signal: a store wakes only sleepers whose value it reaches", "[signal]") {
+  SignalPool pool("TARGET");
+  Signal s = pool.alloc(0);
+  SignalSlot& slot = s.slot();
+  const std::uint64_t near = 5 + fresh_seed() % 20, far = near + 10 + fresh_seed() % 50;
+  std::atomic<int> done{0};
+  std::thread far_waiter([&] {
+    s.wait(far, 20s);
+    done += 10;
+  });
+  std::thread near_waiter([&] {
+    s.wait(near, 20s);
+    done += 1;
+  });
+  // Past the spin phase (at most 40 us) both sleep in the futex.
+  for (int i = 0; i < 2000 && slot.waiters.load() != 2; ++i) std::this_thread::sleep_for(1ms);
+  REQUIRE(slot.waiters.load() == 2);
+  const std::uint32_t seq = slot.wake_seq.load();
+  for (std::uint64_t v = 1; v < near; ++v) s.set(v);
+  CHECK(slot.wake_seq.load() == seq);  // no store below either value woke anyone
+  s.set(near);
+  near_waiter.join();
+  CHECK(done.load() == 1);
+  CHECK(slot.wake_seq.load() == seq + 1);
+  for (int i = 0; i < 2000 && slot.waiters.load() != 1; ++i) std::this_thread::sleep_for(1ms);
+  const std::uint32_t seq2 = slot.wake_seq.load();
+  for (std::uint64_t v = near + 1; v < far; ++v) s.set(v);
+  CHECK(slot.wake_seq.load() == seq2);
+  CHECK(done.load() == 1);
+  s.set(far);
+  far_waiter.join();
+  CHECK(done.load() == 11);
 }
 
 TEST_CASE("signal: poisoning wakes sleepers with the reason", "[signal]") {

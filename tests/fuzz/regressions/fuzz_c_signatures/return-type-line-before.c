@@ -1,3 +1,0 @@
-void
-k(int* a, int n) { a[0] = n; }
-/* } */ { ( 

@@ -1,0 +1,4 @@
+define void @a(ptr %x, i32 %n, ptr %late) {
+define void @b((((((
+define @
+define void @c(ptr %x
