@@ -117,12 +117,15 @@ void wait_signal_slot(SignalSlot& slot, std::uint64_t wanted, std::chrono::nanos
     slot.waiters.fetch_add(1, std::memory_order_seq_cst);
     const std::uint32_t seq = slot.wake_seq.load(std::memory_order_seq_cst);
     // Lower wake_at only when about to sleep: a waiter already satisfied would leave it below
-    // every remaining sleeper's value, and stores would wake them for nothing.
-    if (slot.value.load(std::memory_order_seq_cst) < wanted)
+    // every remaining sleeper's value, and stores would wake them for nothing. The value is
+    // read again after lowering (Note [Signal waits]).
+    bool ready = slot.value.load(std::memory_order_seq_cst) >= wanted;
+    if (!ready) {
       for (std::uint64_t at = slot.wake_at.load(std::memory_order_seq_cst);
            wanted < at && !slot.wake_at.compare_exchange_weak(at, wanted, std::memory_order_seq_cst);) {
       }
-    const bool ready = slot.value.load(std::memory_order_seq_cst) >= wanted;
+      ready = slot.value.load(std::memory_order_seq_cst) >= wanted;
+    }
     const bool poison = slot.poisoned.load(std::memory_order_seq_cst) != 0;
     const auto now = std::chrono::steady_clock::now();
     if (ready || poison || now >= deadline) {

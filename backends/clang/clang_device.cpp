@@ -6,6 +6,7 @@
 #include <xxhash.h>
 
 #include <algorithm>
+#include <filesystem>
 #include <future>
 
 #include "cpu_blob.hpp"
@@ -45,8 +46,12 @@ const std::vector<std::string> kFlags = {"-c",          "-O2",         "-march=n
 // definition inside `#if 0` or a comment) is clang's business, and the IR's `define` lines say
 // exactly what the object exports. The two processes overlap, so a cold compile costs about
 // what it did; cached compiles run neither.
-const std::vector<std::string> kSignatureFlags = {"-S", "-emit-llvm", "-O0", "-g0", "-ffreestanding",
-                                                  "-fno-math-errno", "-march=native", "-x", "c", "-", "-o", "-"};
+// The compile's own flags (so __OPTIMIZE__, __PIC__ and the target macros are the same and the
+// same translation unit is read), writing unoptimized IR instead of an object.
+const std::vector<std::string> kSignatureFlags = {"-S",          "-emit-llvm",     "-O2",        "-Xclang",
+                                                  "-disable-llvm-passes", "-march=native", "-ffreestanding",
+                                                  "-fno-math-errno", "-fPIC",  "-x",         "c",
+                                                  "-",           "-o",             "-"};
 
 class ClangCompiler final : public Compiler {
  public:
@@ -113,18 +118,39 @@ class ClangCompiler final : public Compiler {
 // Note [clang's identity, cached]
 // The compile cache key needs clang's version, and `clang --version` costs 15-20 ms: most of what
 // opening the device cost. The first line it prints is cached in the compile cache (whose entries
-// are trusted only when this user wrote them, Note [Cache trust]) under the binary's resolved
-// path, device, inode, size and mtime: a reinstalled or replaced clang changes one of them and is
-// asked again. A cached answer that is not one printable line is ignored.
+// are trusted only when this user wrote them, Note [Cache trust]) under what identifies the
+// installed compiler: the binary's resolved path, device, inode, size and mtime, and those of the
+// libclang-cpp and libLLVM libraries beside it (Debian's clang prints the version of its
+// libclang-cpp, which is upgraded apart from the binary). A reinstalled or replaced clang changes
+// one of them and is asked again. A binary that is not named clang* once resolved (a ccache or
+// version-manager wrapper, whose target can change under it) is asked every time, as is every
+// clang while TINYDEV_DISABLE_COMPILER_CACHE is set. A cached answer that is not one printable
+// line is ignored.
 std::string clang_version_probe(const std::string& path) {
-  struct stat st {};
-  const bool stat_ok = ::stat(path.c_str(), &st) == 0;
-  const std::string probe =
-      stat_ok ? fmt::format("{}\n{}\n{}\n{}\n{}.{:09}", path, st.st_dev, st.st_ino, st.st_size, st.st_mtim.tv_sec,
-                            st.st_mtim.tv_nsec)
-              : std::string();
-  constexpr std::string_view kKey = "clang_version", kIdentity = "`clang --version`, first line (v1)";
-  if (stat_ok) {
+  std::string probe;
+  auto add_file = [&probe](const std::string& file) {
+    struct stat st {};
+    if (::stat(file.c_str(), &st) != 0) return false;
+    probe += fmt::format("{}\n{}\n{}\n{}\n{}.{:09}\n", file, st.st_dev, st.st_ino, st.st_size, st.st_mtim.tv_sec,
+                         st.st_mtim.tv_nsec);
+    return true;
+  };
+  std::error_code ec;
+  const std::filesystem::path resolved = std::filesystem::canonical(path, ec);
+  bool cacheable = !ec && resolved.filename().string().starts_with("clang") && !settings().disable_compiler_cache &&
+                   add_file(resolved.string());
+  if (cacheable) {
+    std::vector<std::string> libraries;
+    for (const auto& entry : std::filesystem::directory_iterator(resolved.parent_path().parent_path() / "lib", ec)) {
+      const std::string name = entry.path().filename().string();
+      if ((name.starts_with("libclang-cpp.so") || name.starts_with("libLLVM")) && name.find(".so") != std::string::npos)
+        libraries.push_back(entry.path().string());
+    }
+    std::sort(libraries.begin(), libraries.end());
+    for (const std::string& library : libraries) add_file(library);
+  }
+  constexpr std::string_view kKey = "clang_version", kIdentity = "`clang --version`, first line (v2)";
+  if (cacheable) {
     if (std::optional<Blob> hit = DiskCache::global().get(kKey, kIdentity, probe)) {
       std::string line(reinterpret_cast<const char*>(hit->data()), hit->size());
       const bool printable = !line.empty() && line.size() < 512 &&
@@ -140,7 +166,7 @@ std::string clang_version_probe(const std::string& path) {
   for (char& c : first_line)
     if (c < 0x20 || c >= 0x7f) c = '?';
   if (first_line.size() >= 512) first_line.resize(511);
-  if (stat_ok) DiskCache::global().put(kKey, kIdentity, probe, std::as_bytes(std::span(first_line)));
+  if (cacheable) DiskCache::global().put(kKey, kIdentity, probe, std::as_bytes(std::span(first_line)));
   return first_line;
 }
 

@@ -154,7 +154,7 @@ class HCQGraph final : public Graph {
                                bool wait) override {
     check_replay(inputs, variables);
     const auto start = std::chrono::steady_clock::now();
-    std::lock_guard lock(device_.submit_mutex());
+    std::unique_lock lock(device_.submit_mutex());
     Copy& copy = copies_[replays_ % std::size(copies_)];
     ComputeQueue& compute_ = copy.compute;
     CopyQueue& copy_ = copy.copy;
@@ -195,8 +195,8 @@ class HCQGraph final : public Graph {
         .update_signal(epilogue_signal_, device_.timeline_signal(), timeline);
     // Note [Inline replay] (src/cpu/cpu_hcq.cpp): a device may run a waited-for replay on the caller.
     bool ran_inline = false;
-    if constexpr (requires(Device& d) { d.run_inline_if_idle(compute_, copy_, timeline - 1); }) {
-      if (wait) ran_inline = device_.run_inline_if_idle(compute_, copy_, timeline - 1);
+    if constexpr (requires(Device& d) { d.run_inline_if_idle(compute_, copy_, timeline - 1, lock); }) {
+      if (wait) ran_inline = device_.run_inline_if_idle(compute_, copy_, timeline - 1, lock);
     }
     if (!ran_inline) {
       if (copy_.size()) copy_.submit(device_);

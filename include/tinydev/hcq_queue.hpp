@@ -237,7 +237,7 @@ class HWCommandQueue {
       return;
     }
     auto copy = std::make_shared<std::vector<Command>>(*q_);
-    if (spares_.size() < kMaxSpares) spares_.push_back(Spare{std::move(q_), {}, false});
+    if (spares_.size() < kMaxSpares) spares_.push_back(Spare{q_, {}, false});  // q_ intact if this throws
     q_ = std::move(copy);
   }
 

@@ -164,9 +164,15 @@ inline void cpu_relax() noexcept {
 // core the yield returns at once). A yield that took over 1 us means another thread did run on
 // our core: the next spins of this thread yield at once and between every few looks, so a
 // hand-off between threads sharing a core costs a context switch, not 2 us of spinning.
+//
+// A budget at its floor would never learn that waits got short again (a spin of 0.5 us fails on
+// a 2 us gap for ever), so one spin in 16 at the floor probes with the full 40 us; if that one
+// ends the wait, the budget starts again from half the maximum.
 struct SpinBudget {
   static constexpr std::int64_t kMinNs = 500, kMaxNs = 40'000, kYieldEveryNs = 2'000, kContendedYieldNs = 1'000;
+  static constexpr std::uint32_t kProbeEvery = 16;
   std::int64_t budget_ns = 10'000;
+  std::uint32_t spins_at_floor = 0;
   bool yield_early = false;  // the last yield ran another thread: our core is contended
 };
 SpinBudget& this_thread_spin_budget() noexcept;
@@ -176,18 +182,19 @@ void spin_yield() noexcept;             // sched_yield
 // Spins until ready() or this thread's budget runs out (Note [Adaptive spinning]); returns ready().
 template <class Ready>
 bool adaptive_spin(Ready&& ready) {
-  for (int i = 0; i < 8; ++i) {  // the common pipelined case: ready within a few pauses
+  for (int i = 0; i < 32; ++i) {  // the common pipelined case: ready within a few pauses
     if (ready()) return true;
     cpu_relax();
   }
   SpinBudget& budget = this_thread_spin_budget();
   const std::int64_t start = spin_clock_ns();
-  const std::int64_t end = start + budget.budget_ns;
+  const bool probe = budget.budget_ns <= SpinBudget::kMinNs && ++budget.spins_at_floor % SpinBudget::kProbeEvery == 0;
+  const std::int64_t end = start + (probe ? SpinBudget::kMaxNs : budget.budget_ns);
   std::int64_t next_yield = start + (budget.yield_early ? 0 : SpinBudget::kYieldEveryNs);
   while (true) {
     for (int i = 0; i < 16; ++i) {
       if (ready()) {
-        budget.budget_ns = std::min(SpinBudget::kMaxNs, budget.budget_ns * 2);
+        budget.budget_ns = probe ? SpinBudget::kMaxNs / 2 : std::min(SpinBudget::kMaxNs, budget.budget_ns * 2);
         return true;
       }
       cpu_relax();

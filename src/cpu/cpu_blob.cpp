@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cctype>
 #include <cstring>
 
@@ -22,10 +23,16 @@ Blob wrap_object(std::span<const std::byte> object, const std::vector<KernelInfo
   Blob out;
   out.reserve(object.size() + 64);
   for (char c : kMagic) out.push_back(static_cast<std::byte>(c));
-  const std::uint32_t count = static_cast<std::uint32_t>(kernels.size());
+  // Each length and count is stored in 16 bits: a kernel that does not fit (a name of 64 KiB)
+  // is left out, so its launches are not checked, rather than written wrong.
+  auto fits = [](const KernelInfo& k) {
+    return k.name.size() <= 0xffff && k.signature.num_buffers <= 0xffff && k.signature.num_values <= 0xffff;
+  };
+  const auto count = static_cast<std::uint32_t>(std::count_if(kernels.begin(), kernels.end(), fits));
   put16(out, count & 0xffff);
   put16(out, count >> 16);
   for (const KernelInfo& k : kernels) {
+    if (!fits(k)) continue;
     put16(out, static_cast<std::uint32_t>(k.name.size()));
     for (char c : k.name) out.push_back(static_cast<std::byte>(c));
     put16(out, k.signature.num_buffers);
@@ -181,8 +188,8 @@ std::vector<KernelInfo> ir_signatures(std::string_view ir) {
           break;
       }
     }
-    // The blob header stores each count in 16 bits.
-    if (readable && sig.num_buffers <= 0xffff && sig.num_values <= 0xffff)
+    // The blob header stores each length and count in 16 bits.
+    if (readable && name.size() <= 0xffff && sig.num_buffers <= 0xffff && sig.num_values <= 0xffff)
       out.push_back(KernelInfo{std::move(name), sig});
   }
   return out;

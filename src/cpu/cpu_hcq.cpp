@@ -129,9 +129,11 @@ void CpuQueueWorker::submit(std::shared_ptr<const std::vector<CpuCommand>> comma
   {
     std::lock_guard lock(mutex_);
     pending_.push_back(std::move(commands));
+    // Counted before the worker can take it (it takes under this lock), so idle() never reports
+    // idle while a submission is queued or running (Note [Inline replay] relies on it).
+    submitted_.fetch_add(1, std::memory_order_seq_cst);
     wake = sleeping_;
   }
-  submitted_.fetch_add(1, std::memory_order_release);
   if (wake) wake_.notify_one();
 }
 
@@ -314,10 +316,13 @@ void CpuHCQDevice::before_direct_call() {
 // less. Its compute and copy lists run in turns, each until it reaches a wait whose value is not
 // there yet; the graph's signal orders them, so one of the two can always go on. Should both wait
 // on something else (a signal neither list sets), the rest goes to the workers as usual.
-bool CpuHCQDevice::run_inline_if_idle(const CpuComputeQueue& compute, const CpuCopyQueue& copy, std::uint64_t before) {
-  if (timeline_signal().slot().value.load(std::memory_order_acquire) < before || !compute_worker_.idle() ||
-      !copy_worker_.idle())
-    return false;
+bool CpuHCQDevice::run_inline_if_idle(const CpuComputeQueue& compute, const CpuCopyQueue& copy, std::uint64_t before,
+                                      std::unique_lock<std::recursive_mutex>& lock) {
+  if (timeline_signal().slot().value.load(std::memory_order_acquire) < before) return false;
+  // A worker stores the timeline value before it finishes its bookkeeping for that submission:
+  // give it a moment (the adaptive spin) rather than hand this graph to it.
+  if (!detail::adaptive_spin([&] { return compute_worker_.idle() && copy_worker_.idle(); })) return false;
+  lock.unlock();
   const auto compute_words = compute.words(), copy_words = copy.words();
   std::size_t at_compute = 0, at_copy = 0;
   while (at_compute < compute_words->size() || at_copy < copy_words->size()) {
@@ -326,11 +331,20 @@ bool CpuHCQDevice::run_inline_if_idle(const CpuComputeQueue& compute, const CpuC
     at_copy = execute_commands(*copy_words, at_copy, name(), "DMA", /*blocking=*/false);
     if (at_compute == before_compute && at_copy == before_copy) {
       // Both wait for a signal from elsewhere: the workers take the rest.
-      if (at_copy < copy_words->size())
-        copy_worker_.submit(std::make_shared<const std::vector<CpuCommand>>(copy_words->begin() + at_copy, copy_words->end()));
-      if (at_compute < compute_words->size())
-        compute_worker_.submit(
-            std::make_shared<const std::vector<CpuCommand>>(compute_words->begin() + at_compute, compute_words->end()));
+      try {
+        if (at_copy < copy_words->size())
+          copy_worker_.submit(std::make_shared<const std::vector<CpuCommand>>(copy_words->begin() + at_copy, copy_words->end()));
+        at_copy = copy_words->size();
+        if (at_compute < compute_words->size())
+          compute_worker_.submit(
+              std::make_shared<const std::vector<CpuCommand>>(compute_words->begin() + at_compute, compute_words->end()));
+      } catch (const std::exception& e) {
+        // Nothing may wait forever for signals this replay will now never set (Note [Queue failure]).
+        const std::string reason = fmt::format("{}: handing the rest of a graph replay to the workers failed: {}", name(), e.what());
+        for (const auto* words : {compute_words.get(), copy_words.get()})
+          for (std::size_t j = words == compute_words.get() ? at_compute : at_copy; j < words->size(); ++j)
+            if ((*words)[j].kind == CommandKind::signal) (*words)[j].signal->poison(reason);
+      }
       break;
     }
   }

@@ -113,7 +113,9 @@ class CpuQueueWorker {
   void submit(std::shared_ptr<const std::vector<CpuCommand>> commands);
   // Whether everything submitted has finished running (nothing queued, nothing running).
   bool idle() const noexcept {
-    return finished_.load(std::memory_order_acquire) == submitted_.load(std::memory_order_acquire);
+    // submitted_ first: finished_ never passes it, so equal means all those submissions finished.
+    const std::uint64_t submitted = submitted_.load(std::memory_order_seq_cst);
+    return finished_.load(std::memory_order_seq_cst) == submitted;
   }
 
  private:
@@ -170,9 +172,11 @@ class CpuHCQDevice : public HCQCompiled<CpuComputeQueue, CpuCopyQueue>, public C
   void before_direct_call() override;
   // Note [Inline replay]: runs a graph's two queues on the calling thread, interleaved in signal
   // order, when the device is idle (its timeline at `before`, the value before the graph's, and
-  // both workers idle), and returns true; returns false, running nothing, otherwise. The caller
-  // holds submit_mutex().
-  bool run_inline_if_idle(const CpuComputeQueue& compute, const CpuCopyQueue& copy, std::uint64_t before);
+  // both workers idle), and returns true; returns false, running nothing, otherwise. `lock` holds
+  // submit_mutex() and is released before the graph runs (everything submitted later waits for
+  // the graph's timeline value anyway), so other threads are not held up for the graph's length.
+  bool run_inline_if_idle(const CpuComputeQueue& compute, const CpuCopyQueue& copy, std::uint64_t before,
+                          std::unique_lock<std::recursive_mutex>& lock);
   // Graphs are native (HCQGraph over these queues).
   bool supports_graph() const noexcept override { return true; }
   std::unique_ptr<Graph> create_graph(std::vector<GraphNode> nodes) override;

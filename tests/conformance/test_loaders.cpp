@@ -178,6 +178,15 @@ TEST_CASE("loaders: kernel signatures are read from LLVM IR define lines", "[loa
   const std::string two = "define void @a1(ptr %x) {\n  ret void\n}\ndefine void @a2(ptr %x, i32 %y) {\n  ret void\n}\n";
   CHECK(sig(two, "a1") == KernelSignature{1, 0});
   CHECK(sig(two, "a2") == KernelSignature{1, 1});
+  // The blob header holds 16-bit lengths: a longer name gets no signature, and one given to
+  // wrap_object anyway is left out while the rest reads back.
+  const std::string long_name(70000, 'k');
+  CHECK_FALSE(sig("define void @" + long_name + "(ptr %a) {", long_name));
+  const Blob blob = cpu::wrap_object({}, {cpu::KernelInfo{long_name, {1, 0}}, cpu::KernelInfo{"ok", {2, 1}}});
+  const auto back = cpu::unwrap_object(blob);
+  REQUIRE(back.kernels.size() == 1);
+  CHECK(back.kernels[0].name == "ok");
+  CHECK(back.kernels[0].signature == KernelSignature{2, 1});
 }
 
 // Note [C signatures from clang]: C spellings a text scanner misreads.

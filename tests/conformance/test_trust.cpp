@@ -228,6 +228,12 @@ TEST_CASE("trust: clang's version is asked once per binary and again when the bi
   Compiled& third = clang_device_with(fake, "CLANG:59");
   CHECK(times_asked() == 2);
   CHECK_THAT(third.compiler().identity(), Catch::Contains("fake clang version 2.0"));
+  // With the compile cache disabled, nothing is read from it: clang is asked again.
+  {
+    ScopedOverride off("TINYDEV_DISABLE_COMPILER_CACHE", "1");
+    clang_device_with(fake, "CLANG:60");
+    CHECK(times_asked() == 3);
+  }
   // The cached answer changes nothing about compiling: a kernel compiles and runs.
   auto prg = second.load_kernel("add", kernels::add_f32(SourceLanguage::C));
   CHECK(prg->signature() == KernelSignature{3, 1});
