@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #if defined(__x86_64__)
@@ -43,33 +44,35 @@ void check_pools(const Queue& queue, const CpuHCQDevice& device) {
 // a staging-ring copy; non-temporal stores skip that. glibc's memcpy only streams above a large
 // threshold (a fraction of the last-level cache), which ring chunks do not reach.
 void copy_command(std::byte* dest, const std::byte* src, std::size_t size) {
-#if defined(__x86_64__)
   constexpr std::size_t kStreamFrom = 256u << 10;
   const bool overlap = dest < src + size && src < dest + size;
-  if (size >= kStreamFrom && !overlap) {
-    const std::size_t head = (16 - reinterpret_cast<std::uintptr_t>(dest) % 16) % 16;
-    std::memcpy(dest, src, head);
-    std::size_t i = head;
-    for (; i + 64 <= size; i += 64) {
-      const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
-      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 16));
-      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 32));
-      const __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 48));
-      _mm_stream_si128(reinterpret_cast<__m128i*>(dest + i), a);
-      _mm_stream_si128(reinterpret_cast<__m128i*>(dest + i + 16), b);
-      _mm_stream_si128(reinterpret_cast<__m128i*>(dest + i + 32), c);
-      _mm_stream_si128(reinterpret_cast<__m128i*>(dest + i + 48), d);
-    }
-    std::memcpy(dest + i, src + i, size - i);
-    _mm_sfence();  // streaming stores are weakly ordered: finish them before the next signal
-    return;
-  }
-#endif
-  std::memmove(dest, src, size);
+  if (size >= kStreamFrom && !overlap) streaming_copy(dest, src, size);
+  else std::memmove(dest, src, size);
 }
 
-
 }  // namespace
+
+void streaming_copy(std::byte* dest, const std::byte* src, std::size_t size) noexcept {
+#if defined(__x86_64__)
+  const std::size_t head = std::min(size, (16 - reinterpret_cast<std::uintptr_t>(dest) % 16) % 16);
+  std::memcpy(dest, src, head);
+  std::size_t i = head;
+  for (; i + 64 <= size; i += 64) {
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 16));
+    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 32));
+    const __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 48));
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dest + i), a);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dest + i + 16), b);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dest + i + 32), c);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dest + i + 48), d);
+  }
+  std::memcpy(dest + i, src + i, size - i);
+  _mm_sfence();  // streaming stores are weakly ordered: finish them before the next signal
+#else
+  std::memcpy(dest, src, size);
+#endif
+}
 
 // ---- queues ---------------------------------------------------------------------------------------
 

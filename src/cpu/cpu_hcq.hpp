@@ -98,6 +98,10 @@ class CpuCopyQueue final : public HWCopyQueue<CpuCopyQueue, CpuCommand> {
   std::shared_ptr<const std::vector<CpuCommand>> words() const { return snapshot(); }
 };
 
+// Copies `size` bytes with non-temporal stores (Note [Streaming copies]; plain memcpy off x86-64).
+// The ranges must not overlap. What the copy queue uses for blocks of 256 KiB and more.
+void streaming_copy(std::byte* dest, const std::byte* src, std::size_t size) noexcept;
+
 // Runs commands [from, to) of one submission on the calling thread. A command that throws stops
 // it: every signal the rest would set is poisoned with the reason (Note [Queue failure]), and the
 // result is `to`. Without `blocking`, it stops before a wait whose value is not reached (returning
