@@ -32,8 +32,10 @@ const std::string& current_test_name();
 // The backend given with --backend, or "".
 const std::string& selected_backend();
 
-// A fresh seed per call, reported by Catch on failure so a failing run can be replayed.
+// A fresh seed per call, reported by Catch on failure so a failing run can be replayed: run the
+// failing test again with TEST_SEED=<the seed it printed> and every call returns that seed.
 inline std::uint64_t fresh_seed() {
+  if (const char* replay = std::getenv("TEST_SEED")) return std::strtoull(replay, nullptr, 10);
   static std::random_device rd;
   return (static_cast<std::uint64_t>(rd()) << 32) | rd();
 }

@@ -243,6 +243,42 @@ Kernel dot_n() {
   return k;
 }
 
+// tinygrad's LLVMRenderer also rendered float ops with `reassoc` (its MFLAGS had it for a time):
+// then the loop vectorizer may reorder the reduction, so the sum's rounding depends on whether
+// the pipeline vectorizes and how wide. The bit-identity test against clang catches a pipeline
+// that does not (Note [clang's -O2 pipeline]).
+Kernel dot_reassoc() {
+  Kernel k;
+  k.name = "r_1024_dot_reassoc";
+  k.what = "dot product of 1024 elements with reassoc fast-math flags (vectorizable reduction: the order is the pipeline's)";
+  k.c_source = R"(void r_1024_dot_reassoc(float* restrict data0, const float* restrict data1, const float* restrict data2) {
+  float acc0 = 0.0f;
+  for (int ridx0 = 0; ridx0 < 1024; ridx0++) {
+    float val0 = data1[ridx0];
+    float val1 = data2[ridx0];
+    acc0 = (acc0+(val0*val1));
+  }
+  data0[0] = acc0;
+}
+)";
+  k.ir_source = ir_define("r_1024_dot_reassoc", 3) + ir_loop("0", "1024", {{"%acc0", "float", "0.0", "%acc0_next"}}) +
+                R"(  %idx0 = getelementptr inbounds float, ptr %data1, i32 %ridx0
+  %val0 = load float, ptr %idx0
+  %idx1 = getelementptr inbounds float, ptr %data2, i32 %ridx0
+  %val1 = load float, ptr %idx1
+  %alu0 = fmul reassoc nsz arcp contract afn float %val0, %val1
+  %acc0_next = fadd reassoc nsz arcp contract afn float %acc0, %alu0
+)" + ir_endloop("0") + "  store float %acc0, ptr %data0\n" + ir_end();
+  k.buffers = {{Elem::f32, 1, true}, {Elem::f32, 1024, false, -1, 1}, {Elem::f32, 1024, false, -1, 1}};
+  k.reference = [](Bufs& b, const Values&) {
+    double s = 0;
+    for (int i = 0; i < 1024; ++i) s += static_cast<double>(get<float>(b[1], i)) * get<float>(b[2], i);
+    put<float>(b[0], 0, static_cast<float>(s));
+  };
+  k.tolerance = 5e-4;  // any summation order of 1024 products in [-1, 1], against a double sum
+  return k;
+}
+
 }  // namespace
 
 void add_grid(std::vector<Kernel>& out) {
@@ -252,6 +288,7 @@ void add_grid(std::vector<Kernel>& out) {
   out.push_back(symbolic_offset());
   out.push_back(cumsum_n());
   out.push_back(dot_n());
+  out.push_back(dot_reassoc());
 }
 
 }  // namespace corpus::detail
