@@ -153,6 +153,14 @@ class HWCommandQueue {
   template <class Emit>
   Derived& record(CommandKind kind, Emit&& emit) {
     std::vector<Command>& q = mutable_commands();
+    if (kinds_.empty()) {
+      // Most queues are a handful of commands recorded once (eager exec: wait, exec, signal):
+      // one allocation per vector instead of one per doubling.
+      q.reserve(8);
+      offsets_.reserve(8);
+      lens_.reserve(8);
+      kinds_.reserve(8);
+    }
     const std::size_t before = q.size();
     try {
       emit();
