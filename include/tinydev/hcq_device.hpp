@@ -179,9 +179,11 @@ class HCQCompiled : public Compiled {
       } catch (const Timeout& e) {
         if (wraps_.load(std::memory_order_acquire) != wraps) return;
         check_health();  // a device that failed without signalling poisons the timeline here
-        if (std::chrono::steady_clock::now() >= deadline)
-          throw Timeout(fmt::format("{}: waiting for timeline value {} timed out after {} ms: it is at {}", name(),
-                                    value, timeout.count(), slot->value.load()));
+        if (std::chrono::steady_clock::now() >= deadline) {
+          const std::string stall = describe_stall();
+          throw Timeout(fmt::format("{}: waiting for timeline value {} timed out after {} ms: it is at {}{}{}", name(),
+                                    value, timeout.count(), slot->value.load(), stall.empty() ? "" : "; ", stall));
+        }
       }
     }
   }
@@ -248,6 +250,8 @@ class HCQCompiled : public Compiled {
   // Called every 50 ms while a host thread waits for the timeline: a device whose failures are
   // only seen by asking (a GPU's sticky error) checks here and poisons its timeline.
   virtual void check_health() const {}
+  // What the device's queues are blocked on now, for timeout messages ("" if it cannot say).
+  virtual std::string describe_stall() const { return {}; }
 
   void reclaim_signals() {
     std::lock_guard lock(submit_mutex_);

@@ -159,14 +159,14 @@ void CpuQueueWorker::run() {
       pending_.pop_front();
     }
     taken += 1;
-    execute_commands(*next, 0, device_, lane_, /*blocking=*/true);
+    execute_commands(*next, 0, device_, lane_, /*blocking=*/true, &blocked_);
     next.reset();  // the snapshot's release happens before the queue sees it unshared
     finished_.fetch_add(1, std::memory_order_release);
   }
 }
 
 std::size_t execute_commands(const std::vector<CpuCommand>& commands, std::size_t from, const std::string& device,
-                             const std::string& lane, bool blocking) {
+                             const std::string& lane, bool blocking, BlockedOn* blocked) {
   const bool profiling = Profiler::global().enabled();
   std::size_t i = from;
   try {
@@ -180,8 +180,22 @@ std::size_t execute_commands(const std::vector<CpuCommand>& commands, std::size_
           if (!blocking && c.signal->value.load(std::memory_order_acquire) < c.value &&
               !c.signal->poisoned.load(std::memory_order_acquire))
             return i;
-          while (c.signal->value.load(std::memory_order_acquire) < c.value)
-            wait_signal_slot(*c.signal, c.value, std::chrono::hours(1), nullptr);
+          if (c.signal->value.load(std::memory_order_acquire) < c.value) {
+            if (blocked) {
+              blocked->value.store(c.value, std::memory_order_relaxed);
+              blocked->command.store(i, std::memory_order_relaxed);
+              blocked->since_ns.store(Profiler::now_ns(), std::memory_order_relaxed);
+              blocked->signal.store(c.signal, std::memory_order_release);
+            }
+            struct Unblock {
+              BlockedOn* b;
+              ~Unblock() {
+                if (b) b->signal.store(nullptr, std::memory_order_release);
+              }
+            } unblock{blocked};
+            while (c.signal->value.load(std::memory_order_acquire) < c.value)
+              wait_signal_slot(*c.signal, c.value, std::chrono::hours(1), nullptr);
+          }
           break;
         case CommandKind::timestamp:
           c.signal->timestamp_ns.store(Profiler::now_ns(), std::memory_order_release);
@@ -219,6 +233,18 @@ std::size_t execute_commands(const std::vector<CpuCommand>& commands, std::size_
       if (commands[j].kind == CommandKind::signal) commands[j].signal->poison(reason);
   }
   return commands.size();
+}
+
+std::string CpuQueueWorker::describe_blocked() const {
+  SignalSlot* slot = blocked_.signal.load(std::memory_order_acquire);
+  if (!slot) return {};
+  const std::int64_t for_ms =
+      (static_cast<std::int64_t>(Profiler::now_ns()) - blocked_.since_ns.load(std::memory_order_relaxed)) / 1'000'000;
+  return fmt::format("its {} queue is blocked on command {} of a submission, a wait for a signal to reach {} (it is "
+                     "at {}, for {} ms)",
+                     lane_, blocked_.command.load(std::memory_order_relaxed),
+                     blocked_.value.load(std::memory_order_relaxed), slot->value.load(std::memory_order_acquire),
+                     for_ms);
 }
 
 // ---- allocator ------------------------------------------------------------------------------------
@@ -377,6 +403,12 @@ std::map<std::string, std::string> CpuHCQDevice::properties() const {
   props["queues"] = fmt::format("HCQ: compute + copy worker threads, grids on {} threads",
                                 CpuThreadPool::global().threads());
   return props;
+}
+
+std::string CpuHCQDevice::describe_stall() const {
+  std::string compute = compute_worker_.describe_blocked(), copy = copy_worker_.describe_blocked();
+  if (!compute.empty() && !copy.empty()) return compute + "; " + copy;
+  return compute.empty() ? copy : compute;
 }
 
 void CpuHCQDevice::on_timeline_wrapped() {

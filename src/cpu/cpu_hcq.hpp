@@ -106,8 +106,18 @@ void streaming_copy(std::byte* dest, const std::byte* src, std::size_t size) noe
 // it: every signal the rest would set is poisoned with the reason (Note [Queue failure]), and the
 // result is `to`. Without `blocking`, it stops before a wait whose value is not reached (returning
 // that command's index) instead of sleeping.
+struct BlockedOn;
 std::size_t execute_commands(const std::vector<CpuCommand>& commands, std::size_t from, const std::string& device,
-                             const std::string& lane, bool blocking);
+                             const std::string& lane, bool blocking, BlockedOn* blocked = nullptr);
+
+// What a worker is waiting for while a `wait` command blocks it (for timeout messages). Written by
+// the worker, read by any thread; slots never move, so reading through `signal` is safe.
+struct BlockedOn {
+  std::atomic<SignalSlot*> signal{nullptr};  // nullptr: not blocked on a wait
+  std::atomic<std::uint64_t> value{0};
+  std::atomic<std::size_t> command{0};
+  std::atomic<std::int64_t> since_ns{0};
+};
 
 // Executes submitted command lists in order on one thread.
 class CpuQueueWorker {
@@ -116,6 +126,9 @@ class CpuQueueWorker {
   ~CpuQueueWorker();
   void submit(std::shared_ptr<const std::vector<CpuCommand>> commands);
   // Whether everything submitted has finished running (nothing queued, nothing running).
+  // "the COMPUTE queue is blocked on command 3, a wait for a signal to reach 7 (it is at 0, for
+  // 1200 ms)", or "" when it is not blocked on a wait.
+  std::string describe_blocked() const;
   bool idle() const noexcept {
     // submitted_ first: finished_ never passes it, so equal means all those submissions finished.
     const std::uint64_t submitted = submitted_.load(std::memory_order_seq_cst);
@@ -130,6 +143,7 @@ class CpuQueueWorker {
   std::deque<std::shared_ptr<const std::vector<CpuCommand>>> pending_;
   std::atomic<std::uint64_t> submitted_{0};
   std::atomic<std::uint64_t> finished_{0};
+  BlockedOn blocked_;
   bool sleeping_ = false;
   bool stop_ = false;
   std::thread thread_;
@@ -189,6 +203,7 @@ class CpuHCQDevice : public HCQCompiled<CpuComputeQueue, CpuCopyQueue>, public C
 
  protected:
   void on_timeline_wrapped() override;
+  std::string describe_stall() const override;
 
  private:
   CpuQueueWorker compute_worker_;

@@ -2,6 +2,7 @@
 // the staging ring, transfers, bad input.
 #include <thread>
 
+#include "cpu_hcq.hpp"
 #include "hcq_support.hpp"
 
 using namespace tinydev;
@@ -93,6 +94,28 @@ TEST_CASE("hcq: resubmitting while earlier submissions are still queued leaves t
     dev.free_signal(gate);
     for (const Signal& s : out) dev.free_signal(s);
   }, Needs{});
+}
+
+TEST_CASE("hcq: a timeline timeout names the wait its queue is blocked on", "[hcq]") {
+  for_each_backend(Needs{.host_objects = true, .hcq = true}, [](Compiled& compiled) {
+    auto& dev = dynamic_cast<cpu::CpuHCQDevice&>(compiled);
+    Signal gate = dev.alloc_signal(0);
+    const std::uint64_t want = 2 + fresh_seed() % 50;
+    std::uint64_t v;
+    {
+      std::lock_guard lock(dev.submit_mutex());
+      v = dev.next_timeline_value();
+      dev.compute_queue().wait(dev.timeline_signal(), v - 1).wait(gate, want).signal(dev.timeline_signal(), v).submit(dev);
+    }
+    CHECK_THROWS_WITH(dev.wait_timeline(v, 100ms), Catch::Contains("waiting for timeline value " + std::to_string(v)) &&
+                                                       Catch::Contains("COMPUTE queue is blocked on command 1") &&
+                                                       Catch::Contains("to reach " + std::to_string(want)) &&
+                                                       Catch::Contains("it is at 0"));
+    gate.set(want);
+    dev.wait_timeline(v);
+    dev.synchronize();
+    dev.free_signal(gate);
+  });
 }
 
 TEST_CASE("hcq: one exec and two kernels ping-ponged 100 times giving 200", "[hcq]") {
