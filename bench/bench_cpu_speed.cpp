@@ -6,15 +6,12 @@
 // opening the CLANG device in a new process against opening LLVM. Each row says what it measures.
 #include <dlfcn.h>
 #include <fmt/format.h>
-#include <linux/futex.h>
 #include <sched.h>
-#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <chrono>
-#include <climits>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -39,14 +36,6 @@ using Clock = std::chrono::steady_clock;
 
 double since_ns(Clock::time_point start) {
   return std::chrono::duration<double, std::nano>(Clock::now() - start).count();
-}
-
-struct Percentiles {
-  double p50 = 0, p99 = 0;
-};
-Percentiles percentiles(std::vector<double> samples) {
-  std::sort(samples.begin(), samples.end());
-  return {samples[samples.size() / 2], samples[std::min(samples.size() - 1, samples.size() * 99 / 100)]};
 }
 
 // ---- kernels against clang -O2 of the same source -------------------------------------------------
@@ -162,13 +151,6 @@ void bench_kernels(const RowFn& row) {
 
 // ---- hand-off of one command ----------------------------------------------------------------------
 
-void futex_wait(std::atomic<std::uint32_t>& word, std::uint32_t expected) {
-  ::syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(&word), FUTEX_WAIT_PRIVATE, expected, nullptr, nullptr, 0);
-}
-void futex_wake(std::atomic<std::uint32_t>& word) {
-  ::syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(&word), FUTEX_WAKE_PRIVATE, INT_MAX, nullptr, nullptr, 0);
-}
-
 // Round trip of an atomic store + futex wake answered the same way by another thread, which
 // sleeps in the futex (never spins): the cheapest honest hand-off between two threads.
 Percentiles futex_ping_pong(int rounds) {
@@ -253,23 +235,6 @@ int child_open(const std::string& name) {
 }
 
 namespace {
-
-std::vector<double> run_child(const std::string& exe, const std::string& args) {
-  std::FILE* p = ::popen(fmt::format("'{}' {}{}", exe, args, g_quick ? " --quick" : "").c_str(), "r");
-  if (!p) throw Error("bench: cannot start a child");
-  char line[256] = {};
-  const bool got = std::fgets(line, sizeof line, p) != nullptr;
-  const int rc = ::pclose(p);
-  if (!got || rc != 0) throw Error(fmt::format("bench: child `{}` failed (exit {})", args, rc));
-  std::vector<double> out;
-  char* at = line;
-  for (char* end = nullptr;; at = end) {
-    const double v = std::strtod(at, &end);
-    if (end == at) break;
-    out.push_back(v);
-  }
-  return out;
-}
 
 void bench_handoff(const RowFn& row, const std::string& exe) {
   for (const char* mode : {"pinned", "idle"}) {

@@ -6,8 +6,6 @@
 #include <sys/stat.h>
 #include <unistd.h>
 #include <sys/utsname.h>
-#include <linux/futex.h>
-#include <sys/syscall.h>
 
 #include <algorithm>
 #include <climits>
@@ -134,19 +132,6 @@ void bench_copies() {
   bench_copies_large();
 }
 
-double child_cache_hit_ns(const std::string& exe, const std::string& device, double* open_ns = nullptr) {
-  std::FILE* p = ::popen(fmt::format("'{}' --child-cache-hit {}", exe, device).c_str(), "r");
-  if (!p) throw Error("cannot start the cache-hit child");
-  char line[128] = {};
-  const bool got = std::fgets(line, sizeof line, p) != nullptr;
-  const int rc = ::pclose(p);
-  if (!got || rc != 0) throw Error(fmt::format("cache-hit child failed (exit {})", rc));
-  char* end = nullptr;
-  const double hit = std::strtod(line, &end);
-  if (open_ns) *open_ns = std::strtod(end, nullptr);
-  return hit;
-}
-
 void bench_compile(const std::string& exe) {
   for (const char* name : {"LLVM", "CLANG"}) {
     Compiled& dev = Device[name];
@@ -155,13 +140,12 @@ void bench_compile(const std::string& exe) {
     const double cold = ns_per_op([&] { keep(dev.compiler().compile(src)); }, 1, 7);
     std::vector<double> hits, with_open;
     for (int i = 0; i < (g_quick ? 3 : 7); ++i) {
-      double open_ns = 0;
-      hits.push_back(child_cache_hit_ns(exe, name, &open_ns));
-      with_open.push_back(hits.back() + open_ns);
+      const std::vector<double> f = bench::run_child(exe, fmt::format("--child-cache-hit {}", name));
+      if (f.size() != 2) throw Error("the cache-hit child printed something else");
+      hits.push_back(f[0]);
+      with_open.push_back(f[0] + f[1]);
     }
-    std::nth_element(hits.begin(), hits.begin() + hits.size() / 2, hits.end());
-    std::nth_element(with_open.begin(), with_open.begin() + with_open.size() / 2, with_open.end());
-    const double hit = hits[hits.size() / 2], opened = with_open[with_open.size() / 2];
+    const double hit = bench::percentiles(hits).p50, opened = bench::percentiles(with_open).p50;
     row(fmt::format("compile_cached hit, new process, +load ({})", name), fmt_ns(hit), fmt_ns(cold),
         fmt::format("{:.2f}%", 100 * hit / cold), "<= 2% and < 1 ms", hit <= 0.02 * cold && hit < 1e6);
     // What a new process pays before its first kernel runs: the device open too (the bare figure
@@ -308,13 +292,11 @@ void bench_hcq() {
       for (int i = 0; i < kKernels; ++i) k.call_direct();
       direct_samples.push_back(std::chrono::duration<double, std::nano>(Clock::now() - start).count());
     }
-    std::sort(samples.begin(), samples.end());
-    std::sort(direct_samples.begin(), direct_samples.end());
-    const double p50 = samples[samples.size() / 2], p99 = samples[samples.size() * 99 / 100];
-    const double d50 = direct_samples[direct_samples.size() / 2];
-    row("  same queue, submit to completion, p50 (p99)", fmt::format("{} ({})", fmt_ns(p50), fmt_ns(p99)),
-        fmt::format("{} (100 calls)", fmt_ns(d50)), fmt::format("+{}", fmt_ns(p50 - d50)), "< 150 ns/command + 5 us",
-        p50 - d50 < 150 * kKernels + 5000);
+    const bench::Percentiles queue = bench::percentiles(samples);
+    const double d50 = bench::percentiles(direct_samples).p50;
+    row("  same queue, submit to completion, p50 (p99)", fmt::format("{} ({})", fmt_ns(queue.p50), fmt_ns(queue.p99)),
+        fmt::format("{} (100 calls)", fmt_ns(d50)), fmt::format("+{}", fmt_ns(queue.p50 - d50)),
+        "< 150 ns/command + 5 us", queue.p50 - d50 < 150 * kKernels + 5000);
   }
 
   // The same through a graph: 100 kernel nodes, replayed.
@@ -390,11 +372,10 @@ void bench_signals() {
   const double sleeper = ping_pong_p50_ns(
       [&](int w, std::uint64_t v) {
         word[w].store(static_cast<std::uint32_t>(v), std::memory_order_release);
-        ::syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(&word[w]), FUTEX_WAKE_PRIVATE, INT_MAX, nullptr, nullptr, 0);
+        bench::futex_wake(word[w]);
       },
       [&](int w, std::uint64_t v) {
-        for (std::uint32_t seen; (seen = word[w].load(std::memory_order_acquire)) < v;)
-          ::syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(&word[w]), FUTEX_WAIT_PRIVATE, seen, nullptr, nullptr, 0);
+        for (std::uint32_t seen; (seen = word[w].load(std::memory_order_acquire)) < v;) bench::futex_wait(word[w], seen);
       },
       rounds);
   row("  same, vs a waiter that sleeps in a futex at once", fmt_ns(lib), fmt_ns(sleeper),
@@ -562,11 +543,12 @@ void bench_hostile_entries() {
 int main(int argc, char** argv) {
   std::vector<std::string> args(argv + 1, argv + argc);
   try {
-    if (args.size() == 2 && args[0] == "--child-cache-hit") return child_cache_hit(args[1]);
     if (args.size() >= 2 && args.back() == "--quick") {
       g_quick = true;
       args.pop_back();
     }
+    // The child processes some rows run (bench::run_child).
+    if (args.size() == 2 && args[0] == "--child-cache-hit") return child_cache_hit(args[1]);
     if (args.size() == 2 && args[0] == "--child-handoff") return bench::child_handoff(args[1]);
     if (args.size() == 2 && args[0] == "--child-open") return bench::child_open(args[1]);
     std::string only;

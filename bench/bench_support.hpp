@@ -2,12 +2,21 @@
 #pragma once
 
 #include <fmt/format.h>
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <climits>
+#include <cstdio>
+#include <cstdlib>
 #include <functional>
 #include <string>
 #include <vector>
+
+#include "tinydev/error.hpp"
 
 namespace tinydev::bench {
 
@@ -42,6 +51,42 @@ using RowFn = std::function<void(std::string what, std::string lib, std::string 
 void bench_cpu_speed(const RowFn& row, const std::string& exe);
 int child_handoff(const std::string& mode);
 int child_open(const std::string& device);
+
+// p50 and p99 of latency samples.
+struct Percentiles {
+  double p50 = 0, p99 = 0;
+};
+inline Percentiles percentiles(std::vector<double> samples) {
+  std::sort(samples.begin(), samples.end());
+  return {samples[samples.size() / 2], samples[std::min(samples.size() - 1, samples.size() * 99 / 100)]};
+}
+
+// The raw futex calls the sleeping baselines use.
+inline void futex_wait(std::atomic<std::uint32_t>& word, std::uint32_t expected) {
+  ::syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(&word), FUTEX_WAIT_PRIVATE, expected, nullptr, nullptr, 0);
+}
+inline void futex_wake(std::atomic<std::uint32_t>& word) {
+  ::syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(&word), FUTEX_WAKE_PRIVATE, INT_MAX, nullptr, nullptr, 0);
+}
+
+// Runs this benchmark program again as `exe args` (a fresh process; --quick passed on) and
+// returns the numbers on the first line it prints.
+inline std::vector<double> run_child(const std::string& exe, const std::string& args) {
+  std::FILE* p = ::popen(fmt::format("'{}' {}{}", exe, args, g_quick ? " --quick" : "").c_str(), "r");
+  if (!p) throw Error("bench: cannot start a child");
+  char line[256] = {};
+  const bool got = std::fgets(line, sizeof line, p) != nullptr;
+  const int rc = ::pclose(p);
+  if (!got || rc != 0) throw Error(fmt::format("bench: child `{}` failed (exit {})", args, rc));
+  std::vector<double> out;
+  char* at = line;
+  for (char* end = nullptr;; at = end) {
+    const double v = std::strtod(at, &end);
+    if (end == at) break;
+    out.push_back(v);
+  }
+  return out;
+}
 
 inline std::string fmt_ns(double ns) {
   if (ns < 1e3) return fmt::format("{:.1f} ns", ns);

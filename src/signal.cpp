@@ -48,11 +48,6 @@ SpinBudget& this_thread_spin_budget() noexcept {
   thread_local SpinBudget budget;
   return budget;
 }
-std::int64_t spin_clock_ns() noexcept {
-  timespec ts{};
-  ::clock_gettime(CLOCK_MONOTONIC, &ts);
-  return static_cast<std::int64_t>(ts.tv_sec) * 1'000'000'000 + ts.tv_nsec;
-}
 void spin_yield() noexcept { ::sched_yield(); }
 }  // namespace detail
 

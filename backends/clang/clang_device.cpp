@@ -41,13 +41,13 @@ const std::vector<std::string> kFlags = {"-c",          "-O2",         "-march=n
 
 // Note [C signatures from clang]
 // A kernel's signature (how many buffers, how many int32 values) is read from clang's own LLVM IR
-// for the translation unit, made by a second clang process at -O0 that runs beside the compile:
-// what C spells a parameter (`int a[]`, a typedef'd pointer, a return type on another line, a
-// definition inside `#if 0` or a comment) is clang's business, and the IR's `define` lines say
-// exactly what the object exports. The two processes overlap, so a cold compile costs about
-// what it did; cached compiles run neither.
-// The compile's own flags (so __OPTIMIZE__, __PIC__ and the target macros are the same and the
-// same translation unit is read), writing unoptimized IR instead of an object.
+// for the translation unit, made by a second clang process that runs beside the compile with the
+// compile's own flags (so __OPTIMIZE__, __PIC__ and the target macros are the same and the same
+// translation unit is read), writing IR with LLVM's passes off instead of an object. What C spells
+// a parameter (`int a[]`, a typedef'd pointer, a return type on another line, a definition inside
+// `#if 0` or a comment) is clang's business, and the IR's `define` lines say exactly what the
+// object exports. The two processes overlap, so a cold compile costs about what it did; cached
+// compiles run neither.
 const std::vector<std::string> kSignatureFlags = {"-S",          "-emit-llvm",     "-O2",        "-Xclang",
                                                   "-disable-llvm-passes", "-march=native", "-ffreestanding",
                                                   "-fno-math-errno", "-fPIC",  "-x",         "c",

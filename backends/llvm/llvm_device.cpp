@@ -124,8 +124,9 @@ class LLVMCompiler final : public Compiler {
       llvm::ModuleAnalysisManager mam;
       // Note [clang's -O2 pipeline]: llvm::PipelineTuningOptions leaves loop and SLP
       // vectorization, interleaving and unrolling off; clang -O2 turns all four on (as does
-      // tinygrad's LLVM backend). Without them a generator-style matmul runs 3x slower, and
-      // float results differ from clang's on the same IR (SLP forms different FMA chains).
+      // tinygrad's LLVM backend). Without them a generator-style matmul runs 3x slower, and a
+      // reduction whose float ops allow reassociation sums in another order than clang's code
+      // does, so the same IR gives other results (the corpus's reassoc dot product shows it).
       llvm::PipelineTuningOptions tuning;
       tuning.LoopVectorization = true;
       tuning.SLPVectorization = true;

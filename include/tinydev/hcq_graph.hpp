@@ -71,7 +71,7 @@ class HCQGraph final : public Graph {
     // only a poisoned signal (that work will never run) ends the wait early.
     while (replays_) {
       try {
-        signal_.wait(last_final_);
+        signal_.wait(copies_[(replays_ - 1) % std::size(copies_)].last_final);  // the last replay's end
         break;
       } catch (const Timeout&) {
         continue;
@@ -102,9 +102,9 @@ class HCQGraph final : public Graph {
     std::lock_guard lock(device.submit_mutex());
     // The node layout (uses, command indices) is the same in both copies: note it once.
     const bool first_copy = &copy == &copies_[0];
-    ComputeQueue& compute_ = copy.compute;
-    CopyQueue& copy_ = copy.copy;
-    compute_.wait(device.timeline_signal(), 0).signal(signal_, 0);
+    ComputeQueue& compute_q = copy.compute;
+    CopyQueue& copy_q = copy.copy;
+    compute_q.wait(device.timeline_signal(), 0).signal(signal_, 0);
     for (std::size_t i = 0; i < nodes_.size(); ++i) {
       NodeCommands cmds;
       if (auto* k = std::get_if<GraphKernel>(&nodes_[i])) {
@@ -121,12 +121,12 @@ class HCQGraph final : public Graph {
           else if (first_copy) variable_uses_.push_back({k->values[j].variable, copy.kernargs.size() - 1, j});
         }
         cmds.on_compute = true;
-        cmds.wait = compute_.size();
-        compute_.wait(signal_, 0);
-        cmds.op = compute_.size();
-        compute_.exec(*program, args, k->launch.global, k->launch.local);
-        cmds.signal = compute_.size();
-        compute_.signal(signal_, 0);
+        cmds.wait = compute_q.size();
+        compute_q.wait(signal_, 0);
+        cmds.op = compute_q.size();
+        compute_q.exec(*program, args, k->launch.global, k->launch.local);
+        cmds.signal = compute_q.size();
+        compute_q.signal(signal_, 0);
         cmds.kernargs = copy.kernargs.size() - 1;
       } else {
         auto& c = std::get<GraphCopy>(nodes_[i]);
@@ -134,19 +134,19 @@ class HCQGraph final : public Graph {
         if (first_copy && !c.src.fixed) input_uses_.push_back({c.src.input, i, 0, Use::copy_src});
         // Inputs are patched in before the first replay; record with placeholders of the right size.
         Allocation placeholder{0, c.size, nullptr};
-        cmds.wait = copy_.size();
-        copy_.wait(signal_, 0);
-        cmds.op = copy_.size();
-        copy_.copy(c.dest.fixed ? *c.dest.fixed : placeholder, c.src.fixed ? *c.src.fixed : placeholder, c.size);
-        cmds.signal = copy_.size();
-        copy_.signal(signal_, 0);
+        cmds.wait = copy_q.size();
+        copy_q.wait(signal_, 0);
+        cmds.op = copy_q.size();
+        copy_q.copy(c.dest.fixed ? *c.dest.fixed : placeholder, c.src.fixed ? *c.src.fixed : placeholder, c.size);
+        cmds.signal = copy_q.size();
+        copy_q.signal(signal_, 0);
       }
       if (first_copy) commands_.push_back(cmds);
     }
-    epilogue_wait_ = compute_.size();
-    compute_.wait(signal_, 0);
-    epilogue_signal_ = compute_.size();
-    compute_.signal(device.timeline_signal(), 0);
+    epilogue_wait_ = compute_q.size();
+    compute_q.wait(signal_, 0);
+    epilogue_signal_ = compute_q.size();
+    compute_q.signal(device.timeline_signal(), 0);
   }
 
  public:
@@ -156,8 +156,8 @@ class HCQGraph final : public Graph {
     const auto start = std::chrono::steady_clock::now();
     std::unique_lock lock(device_.submit_mutex());
     Copy& copy = copies_[replays_ % std::size(copies_)];
-    ComputeQueue& compute_ = copy.compute;
-    CopyQueue& copy_ = copy.copy;
+    ComputeQueue& compute_q = copy.compute;
+    CopyQueue& copy_q = copy.copy;
     const bool first = copy.replays == 0;
     // Kernel arguments of this copy's last replay (the one before the previous): wait for it to
     // finish reading them before rewriting any (usually it has).
@@ -171,8 +171,8 @@ class HCQGraph final : public Graph {
       if (!first && inputs[u.input] == copy.last_inputs[u.input]) continue;
       const NodeCommands& cmds = commands_[u.node];
       if (u.kind == Use::kernarg) copy.kernargs[cmds.kernargs].set_buffer(u.slot, inputs[u.input].va_addr);
-      else if (u.kind == Use::copy_dest) copy_.update_copy(cmds.op, inputs[u.input], std::nullopt);
-      else copy_.update_copy(cmds.op, std::nullopt, inputs[u.input]);
+      else if (u.kind == Use::copy_dest) copy_q.update_copy(cmds.op, inputs[u.input], std::nullopt);
+      else copy_q.update_copy(cmds.op, std::nullopt, inputs[u.input]);
     }
     for (const VarUse& u : variable_uses_)
       if (first || variables[u.variable] != copy.last_variables[u.variable])
@@ -183,28 +183,28 @@ class HCQGraph final : public Graph {
     // Fresh signal values for this replay (Note [HCQ graph replay]).
     const std::uint64_t base = replays_ * (nodes_.size() + 1) + 1;
     const std::uint64_t timeline = device_.next_timeline_value();
-    compute_.update_wait(0, device_.timeline_signal(), timeline - 1).update_signal(1, std::nullopt, base);
+    compute_q.update_wait(0, device_.timeline_signal(), timeline - 1).update_signal(1, std::nullopt, base);
     for (std::size_t i = 0; i < nodes_.size(); ++i) {
       const NodeCommands& cmds = commands_[i];
       if (cmds.on_compute)
-        compute_.update_wait(cmds.wait, std::nullopt, base + i).update_signal(cmds.signal, std::nullopt, base + i + 1);
+        compute_q.update_wait(cmds.wait, std::nullopt, base + i).update_signal(cmds.signal, std::nullopt, base + i + 1);
       else
-        copy_.update_wait(cmds.wait, std::nullopt, base + i).update_signal(cmds.signal, std::nullopt, base + i + 1);
+        copy_q.update_wait(cmds.wait, std::nullopt, base + i).update_signal(cmds.signal, std::nullopt, base + i + 1);
     }
-    compute_.update_wait(epilogue_wait_, std::nullopt, base + nodes_.size())
+    compute_q.update_wait(epilogue_wait_, std::nullopt, base + nodes_.size())
         .update_signal(epilogue_signal_, device_.timeline_signal(), timeline);
     // Note [Inline replay] (src/cpu/cpu_hcq.cpp): a device may run a waited-for replay on the caller.
     bool ran_inline = false;
-    if constexpr (requires(Device& d) { d.run_inline_if_idle(compute_, copy_, timeline - 1, lock); }) {
-      if (wait) ran_inline = device_.run_inline_if_idle(compute_, copy_, timeline - 1, lock);
+    if constexpr (requires(Device& d) { d.run_inline_if_idle(compute_q, copy_q, timeline - 1, lock); }) {
+      if (wait) ran_inline = device_.run_inline_if_idle(compute_q, copy_q, timeline - 1, lock);
     }
     if (!ran_inline) {
-      if (copy_.size()) copy_.submit(device_);
-      compute_.submit(device_);
+      if (copy_q.size()) copy_q.submit(device_);
+      compute_q.submit(device_);
     }
     replays_ += 1;
     copy.replays += 1;
-    last_final_ = copy.last_final = base + nodes_.size();
+    copy.last_final = base + nodes_.size();
     if (!wait) return std::nullopt;
     device_.wait_timeline(timeline);
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -230,7 +230,7 @@ class HCQGraph final : public Graph {
   std::vector<Use> input_uses_;
   std::vector<VarUse> variable_uses_;
   std::size_t epilogue_wait_ = 0, epilogue_signal_ = 0;
-  std::uint64_t replays_ = 0, last_final_ = 0;
+  std::uint64_t replays_ = 0;
 };
 
 }  // namespace tinydev

@@ -176,8 +176,11 @@ struct SpinBudget {
   bool yield_early = false;  // the last yield ran another thread: our core is contended
 };
 SpinBudget& this_thread_spin_budget() noexcept;
-std::int64_t spin_clock_ns() noexcept;  // a monotonic clock (CLOCK_MONOTONIC through the vDSO)
-void spin_yield() noexcept;             // sched_yield
+void spin_yield() noexcept;  // sched_yield
+inline std::int64_t spin_clock_ns() noexcept {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
 
 // Spins until ready() or this thread's budget runs out (Note [Adaptive spinning]); returns ready().
 template <class Ready>

@@ -93,7 +93,7 @@ bool is_ir_name_char(char c) {
 }
 
 // The kernel-ABI reading of one parameter ("ptr noalias noundef %0", "i32 noundef %n"): a buffer,
-// an int32 value, or neither (nullopt).
+// an int32 value, or neither.
 enum class ParamKind { buffer, value, other };
 ParamKind param_kind(std::string_view param) {
   const std::size_t a = param.find_first_not_of(" \t\r\n");
@@ -124,12 +124,8 @@ std::vector<KernelInfo> ir_signatures(std::string_view ir) {
     std::size_t line_end = ir.find('\n', line_start);
     if (line_end == std::string_view::npos) line_end = ir.size();
     const std::string_view line = ir.substr(line_start, line_end - line_start);
-    const std::size_t next = line_end + 1;
-    if (!line.starts_with("define ")) {
-      line_start = next;
-      continue;
-    }
-    line_start = next;
+    line_start = line_end + 1;
+    if (!line.starts_with("define ")) continue;
     // define [linkage] [visibility] [dso_local] [cc] [ret attrs] <ret type> @name(<params>) ...
     const std::size_t at = line.find('@');
     if (at == std::string_view::npos) continue;

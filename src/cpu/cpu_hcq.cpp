@@ -165,6 +165,15 @@ void CpuQueueWorker::run() {
   }
 }
 
+namespace {
+// Note [Queue failure]: commands from `from` on will not run; every signal they would set is
+// poisoned, so whoever waits for that work gets `reason` instead of a hang.
+void poison_signals_from(const std::vector<CpuCommand>& commands, std::size_t from, const std::string& reason) {
+  for (std::size_t j = from; j < commands.size(); ++j)
+    if (commands[j].kind == CommandKind::signal) commands[j].signal->poison(reason);
+}
+}  // namespace
+
 std::size_t execute_commands(const std::vector<CpuCommand>& commands, std::size_t from, const std::string& device,
                              const std::string& lane, bool blocking, BlockedOn* blocked) {
   const bool profiling = Profiler::global().enabled();
@@ -227,10 +236,9 @@ std::size_t execute_commands(const std::vector<CpuCommand>& commands, std::size_
   } catch (const std::exception& e) {
     // Note [Queue failure]: the rest of this submission does not run; every signal it would have
     // set is poisoned, so whoever waits for this work gets the reason instead of a hang.
-    const std::string reason = fmt::format("{} {} queue: command {} ({}) failed: {}", device, lane, i,
-                                           to_string(commands[i].kind), e.what());
-    for (std::size_t j = i; j < commands.size(); ++j)
-      if (commands[j].kind == CommandKind::signal) commands[j].signal->poison(reason);
+    poison_signals_from(commands, i,
+                        fmt::format("{} {} queue: command {} ({}) failed: {}", device, lane, i,
+                                    to_string(commands[i].kind), e.what()));
   }
   return commands.size();
 }
@@ -368,11 +376,11 @@ bool CpuHCQDevice::run_inline_if_idle(const CpuComputeQueue& compute, const CpuC
           compute_worker_.submit(
               std::make_shared<const std::vector<CpuCommand>>(compute_words->begin() + at_compute, compute_words->end()));
       } catch (const std::exception& e) {
-        // Nothing may wait forever for signals this replay will now never set (Note [Queue failure]).
-        const std::string reason = fmt::format("{}: handing the rest of a graph replay to the workers failed: {}", name(), e.what());
-        for (const auto* words : {compute_words.get(), copy_words.get()})
-          for (std::size_t j = words == compute_words.get() ? at_compute : at_copy; j < words->size(); ++j)
-            if ((*words)[j].kind == CommandKind::signal) (*words)[j].signal->poison(reason);
+        // Nothing may wait forever for signals this replay will now never set.
+        const std::string reason =
+            fmt::format("{}: handing the rest of a graph replay to the workers failed: {}", name(), e.what());
+        poison_signals_from(*compute_words, at_compute, reason);
+        poison_signals_from(*copy_words, at_copy, reason);
       }
       break;
     }

@@ -102,10 +102,11 @@ class CpuCopyQueue final : public HWCopyQueue<CpuCopyQueue, CpuCommand> {
 // The ranges must not overlap. What the copy queue uses for blocks of 256 KiB and more.
 void streaming_copy(std::byte* dest, const std::byte* src, std::size_t size) noexcept;
 
-// Runs commands [from, to) of one submission on the calling thread. A command that throws stops
-// it: every signal the rest would set is poisoned with the reason (Note [Queue failure]), and the
-// result is `to`. Without `blocking`, it stops before a wait whose value is not reached (returning
-// that command's index) instead of sleeping.
+// Runs the commands of one submission from index `from` to its end on the calling thread, and
+// returns commands.size(). A command that throws stops it: every signal the rest would set is
+// poisoned with the reason (Note [Queue failure]). Without `blocking`, it stops before a wait
+// whose value is not reached and returns that command's index instead of sleeping. `blocked`,
+// if given, is told what a blocking wait waits for.
 struct BlockedOn;
 std::size_t execute_commands(const std::vector<CpuCommand>& commands, std::size_t from, const std::string& device,
                              const std::string& lane, bool blocking, BlockedOn* blocked = nullptr);
@@ -125,10 +126,10 @@ class CpuQueueWorker {
   CpuQueueWorker(std::string device, std::string lane);
   ~CpuQueueWorker();
   void submit(std::shared_ptr<const std::vector<CpuCommand>> commands);
-  // Whether everything submitted has finished running (nothing queued, nothing running).
-  // "the COMPUTE queue is blocked on command 3, a wait for a signal to reach 7 (it is at 0, for
-  // 1200 ms)", or "" when it is not blocked on a wait.
+  // "its COMPUTE queue is blocked on command 3 of a submission, a wait for a signal to reach 7
+  // (it is at 0, for 1200 ms)", or "" when it is not blocked on a wait.
   std::string describe_blocked() const;
+  // Whether everything submitted has finished running (nothing queued, nothing running).
   bool idle() const noexcept {
     // submitted_ first: finished_ never passes it, so equal means all those submissions finished.
     const std::uint64_t submitted = submitted_.load(std::memory_order_seq_cst);
