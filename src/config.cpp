@@ -25,7 +25,7 @@ constexpr std::string_view kVariables[] = {
     "TINYDEV_DEVICE",         "TINYDEV_DEBUG",           "TINYDEV_LRU",
     "TINYDEV_LRU_MAX_BYTES",  "TINYDEV_DISABLE_COMPILER_CACHE",
     "TINYDEV_ASSERT_COMPILE", "TINYDEV_CACHE_DIR",       "TINYDEV_CACHE_MAX_BYTES",
-    "TINYDEV_PROFILE",        "TINYDEV_CPU_THREADS",     "TINYDEV_COMPILE_TIMEOUT",
+    "TINYDEV_PROFILE",        "TINYDEV_CPU_THREADS",     "TINYDEV_FATAL_SIGNALS",     "TINYDEV_COMPILE_TIMEOUT",
     "TINYDEV_CUDA_DRIVER",    "TINYDEV_CUDA_PTX",
 };
 constexpr std::string_view kPrefix = "TINYDEV_";
@@ -111,6 +111,8 @@ Settings parse_with(Get get) {
   if (auto v = get("TINYDEV_CUDA_DRIVER"); v && !v->empty())
     out.cuda_driver = parse_path("TINYDEV_CUDA_DRIVER", *v);
   if (auto v = get("TINYDEV_CUDA_PTX"); v && !v->empty()) out.cuda_ptx = parse_flag("TINYDEV_CUDA_PTX", *v);
+  if (auto v = get("TINYDEV_FATAL_SIGNALS"); v && !v->empty())
+    out.fatal_signal_messages = parse_flag("TINYDEV_FATAL_SIGNALS", *v);
   if (auto v = get("TINYDEV_CACHE_DIR"); v && !v->empty()) {
     out.cache_dir = parse_path("TINYDEV_CACHE_DIR", *v);
   } else {

@@ -7,11 +7,11 @@
 namespace tinydev {
 
 Compiled::Compiled(std::string name, std::shared_ptr<Allocator> allocator,
-                   std::unique_ptr<Compiler> compiler, std::unique_ptr<Runtime> runtime,
+                   std::shared_ptr<Compiler> compiler, std::shared_ptr<Runtime> runtime,
                    SourceLanguage language)
     : name_(std::move(name)),
       allocator_(std::move(allocator)),
-      compiler_(compiler ? std::move(compiler) : std::make_unique<Compiler>()),
+      compiler_(compiler ? std::move(compiler) : std::make_shared<Compiler>()),
       runtime_(std::move(runtime)),
       language_(language) {}
 
@@ -24,6 +24,12 @@ std::shared_ptr<Program> Compiled::load_kernel(std::string_view kernel_name, std
 
 std::unique_ptr<Graph> Compiled::create_graph(std::vector<GraphNode> nodes) {
   return make_eager_graph(*this, std::move(nodes));
+}
+
+std::shared_ptr<Stream> Compiled::create_stream(const StreamOptions&) {
+  throw InvalidArgument(fmt::format("{} has no streams: its work runs in one queue (capabilities().streams is false); "
+                                    "use the device directly, or a CPU device (LLVM, CLANG) for streams",
+                                    name_));
 }
 
 std::map<std::string, std::string> Compiled::properties() const {

@@ -1,5 +1,11 @@
 #include "tinydev/hcq.hpp"
 
+#include <pthread.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <mutex>
+
 namespace tinydev {
 
 void fill_kernargs(const Program& program, const Kernargs& kernargs, std::span<const Allocation> buffers,
@@ -49,3 +55,30 @@ void KernargsPages::timeline_wrapped() noexcept {
 }
 
 }  // namespace tinydev
+
+// ---- fork (Note [Devices and fork] in tinydev/hcq_device.hpp) --------------------------------------
+
+namespace tinydev::detail {
+
+namespace {
+std::atomic<std::uint64_t> g_fork_generation{0};
+void on_fork_child() { g_fork_generation.fetch_add(1, std::memory_order_relaxed); }
+}  // namespace
+
+std::uint64_t watch_forks() {
+  static std::once_flag once;
+  std::call_once(once, [] { pthread_atfork(nullptr, nullptr, &on_fork_child); });
+  return g_fork_generation.load(std::memory_order_relaxed);
+}
+
+std::uint64_t fork_generation() noexcept { return g_fork_generation.load(std::memory_order_relaxed); }
+
+void throw_forked_device(const std::string& device) {
+  throw ForkedDevice(fmt::format("{} was opened before this process forked (this is the child, pid {}): its queue "
+                                 "threads did not survive the fork, so it cannot be used here. Open a device of "
+                                 "your own in the child under another name (Device[\"{}:1\"]), or start the child "
+                                 "with exec/posix_spawn (docs/serving.md)",
+                                 device, static_cast<long>(::getpid()), device.substr(0, device.find(':'))));
+}
+
+}  // namespace tinydev::detail

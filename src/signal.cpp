@@ -164,6 +164,12 @@ void SignalSlot::poison(std::string_view reason) noexcept {
 
 void Signal::poison(const std::string& reason) const { slot().poison(reason); }
 
+void SignalSlot::clear_poison() noexcept {
+  poisoned.store(0, std::memory_order_seq_cst);
+  poison_reason[0] = '\0';
+  poison_claim.store(0, std::memory_order_release);
+}
+
 std::string SignalSlot::poison_text() const {
   return std::string(poison_reason, ::strnlen(poison_reason, sizeof poison_reason));
 }
@@ -266,6 +272,19 @@ SignalSlot& SignalPool::slot(const Signal& signal) {
     throw InvalidArgument(fmt::format(
         "{} was freed: allocate a new signal instead of reusing a freed handle", signal.describe()));
   return s;
+}
+
+}  // namespace tinydev
+
+namespace tinydev {
+
+std::optional<std::uint32_t> SignalPool::index_of(const SignalSlot* slot) const {
+  const std::size_t chunks = capacity_.load(std::memory_order_acquire) / kChunk;
+  for (std::size_t c = 0; c < chunks; ++c) {
+    const SignalSlot* base = chunk_table_[c].load(std::memory_order_acquire);
+    if (base && slot >= base && slot < base + kChunk) return static_cast<std::uint32_t>(c * kChunk + (slot - base));
+  }
+  return std::nullopt;
 }
 
 }  // namespace tinydev

@@ -37,6 +37,7 @@ struct Settings {
   int compile_timeout_s = 300;                  // TINYDEV_COMPILE_TIMEOUT: a compiler subprocess's limit
   std::string cuda_driver;                      // TINYDEV_CUDA_DRIVER: the driver library; "" = libcuda.so.1
   bool cuda_ptx = false;                        // TINYDEV_CUDA_PTX: compile CUDA to PTX (driver JIT), not CUBIN
+  bool fatal_signal_messages = true;            // TINYDEV_FATAL_SIGNALS: name the kernel a fatal signal hit
 };
 
 // The current settings (environment + active overrides). Throws InvalidArgument on the first call

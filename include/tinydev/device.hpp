@@ -7,6 +7,7 @@
 // Thread safety: all members may be called concurrently.
 #pragma once
 
+#include <chrono>
 #include <map>
 #include <memory>
 #include <string>
@@ -14,6 +15,7 @@
 #include "tinydev/compile.hpp"
 #include "tinydev/graph.hpp"
 #include "tinydev/memory.hpp"
+#include "tinydev/stream.hpp"
 
 namespace tinydev {
 
@@ -30,13 +32,14 @@ struct DeviceCapabilities {
   bool native_graphs = false;           // create_graph records a native graph; otherwise graphs replay eagerly
   bool host_visible_memory = false;     // allocations are host memory: as_buffer is zero copy, views share it
   bool hcq = false;                     // an HCQCompiled device: queues, signals, a timeline (tinydev/hcq.hpp)
+  bool streams = false;                 // create_stream gives independent streams (tinydev/stream.hpp)
   friend bool operator==(const DeviceCapabilities&, const DeviceCapabilities&) = default;
 };
 
 class Compiled {
  public:
-  Compiled(std::string name, std::shared_ptr<Allocator> allocator, std::unique_ptr<Compiler> compiler,
-           std::unique_ptr<Runtime> runtime, SourceLanguage language);
+  Compiled(std::string name, std::shared_ptr<Allocator> allocator, std::shared_ptr<Compiler> compiler,
+           std::shared_ptr<Runtime> runtime, SourceLanguage language);
   virtual ~Compiled() = default;
   Compiled(const Compiled&) = delete;
   Compiled& operator=(const Compiled&) = delete;
@@ -61,8 +64,27 @@ class Compiled {
   // Records `nodes` as a graph for this device (tinydev/graph.hpp). The default replays eagerly.
   virtual std::unique_ptr<Graph> create_graph(std::vector<GraphNode> nodes);
 
-  // Blocks until all work queued on this device has finished.
+  // Blocks until all work queued on this device has finished: its default queue and every
+  // stream created from it (as cudaDeviceSynchronize).
   virtual void synchronize() {}
+
+  // Streams (tinydev/stream.hpp, docs/serving.md): an independent in-order stream of work with
+  // its own queues and timeline, ordered with the device's default queue and other streams only
+  // through Events. InvalidArgument on devices without streams (capabilities().streams).
+  virtual std::shared_ptr<Stream> create_stream(const StreamOptions& options = {});
+
+  // Sticky faults (docs/serving.md): "" while the device works; once one of its queues failed,
+  // the first failure's explanation, and every call that would queue or copy throws a
+  // DeviceFault naming it until recover().
+  virtual std::string fault() const { return {}; }
+  // Brings a faulted device back: drains its queues (waiting at most `timeout`; Timeout when a
+  // kernel still runs), marks everything submitted as finished and clears the fault. Buffers
+  // written by failed work hold whatever that work left. Returns the fault it cleared ("" if
+  // none).
+  virtual std::string recover(std::chrono::milliseconds timeout = std::chrono::seconds(30)) {
+    (void)timeout;
+    return {};
+  }
 
   // Human-readable facts for `tinydev devices` (target, compiler, ...).
   virtual std::map<std::string, std::string> properties() const;
@@ -73,11 +95,16 @@ class Compiled {
   // device the factory throws out of, or one built outside the registry, never gets the call.
   virtual void on_opened() {}
 
+ protected:
+  // For devices made of parts shared with another (a CPU stream's lane shares its device's).
+  const std::shared_ptr<Compiler>& shared_compiler() const noexcept { return compiler_; }
+  const std::shared_ptr<Runtime>& shared_runtime() const noexcept { return runtime_; }
+
  private:
   std::string name_;
   std::shared_ptr<Allocator> allocator_;
-  std::unique_ptr<Compiler> compiler_;
-  std::unique_ptr<Runtime> runtime_;
+  std::shared_ptr<Compiler> compiler_;  // shared with the device's streams
+  std::shared_ptr<Runtime> runtime_;
   SourceLanguage language_;
 };
 

@@ -47,6 +47,19 @@ class CompileError : public Error {
   std::string log_;
 };
 
+// A device (or stream) whose queue failed earlier: the message names the first failure. Sticky
+// until Compiled::recover() (docs/serving.md).
+class DeviceFault : public Error {
+ public:
+  using Error::Error;
+};
+
+// A device opened before fork() used in the forked child (docs/serving.md, Fork).
+class ForkedDevice : public Error {
+ public:
+  using Error::Error;
+};
+
 // A wait on the device or a signal ran past its deadline.
 class Timeout : public Error {
  public:

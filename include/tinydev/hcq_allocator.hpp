@@ -66,6 +66,7 @@ class HCQAllocator : public LRUAllocator {
 
   void copyin(Allocation dest, std::span<const std::byte> src) override {
     detail::check_fits(src.size(), dest, "copyin", describe());
+    device_.check_usable();  // a faulted device would drop the bytes (docs/serving.md)
     std::lock_guard lock(device_.submit_mutex());
     if (host_visible_ && !force_staging_ && device_.idle()) {
       direct_copy(dest.host_ptr<std::byte>(), src.data(), src.size(), "CPU", device_.name());
@@ -90,8 +91,10 @@ class HCQAllocator : public LRUAllocator {
 
   void copyout(std::span<std::byte> dest, Allocation src) override {
     detail::check_fits(dest.size(), src, "copyout", describe());
+    device_.check_usable();
     std::lock_guard lock(device_.submit_mutex());
-    device_.synchronize();
+    // The device's default queue only: its streams' work is ordered through events, not here.
+    device_.wait_timeline(device_.last_submitted_value());
     if (host_visible_ && !force_staging_) {
       direct_copy(dest.data(), src.host_ptr<std::byte>(), dest.size(), device_.name(), "CPU");
       return;
@@ -128,6 +131,8 @@ class HCQAllocator : public LRUAllocator {
   static void transfer(Allocation dest, Allocation src, std::size_t size, Device& src_device, Device& dest_device) {
     // Checked before a timeline value is taken: a value taken and never signalled hangs the device.
     Device::copy_queue_type::check_copy(dest, src, size);
+    src_device.check_usable();
+    dest_device.check_usable();
     // Optional hook: a device that must set up a path first (a GPU enabling peer access).
     if constexpr (requires { src_device.prepare_transfer(dest_device); })
       if (&src_device != &dest_device) src_device.prepare_transfer(dest_device);

@@ -15,6 +15,7 @@
 #include <exception>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -26,6 +27,20 @@
 #include "tinydev/profile.hpp"
 
 namespace tinydev {
+
+namespace detail {
+// Note [Devices and fork]
+// Devices know the process that opened them: a pthread_atfork child handler (registered by the
+// first device) bumps a process-wide fork generation, and every entry point of an HCQ device
+// compares it with the generation it was opened in (one relaxed load). In a forked child a device
+// opened before the fork has no queue threads (fork copies only the calling thread) and possibly
+// a half-copied state (a mutex some other thread held), so every use is a ForkedDevice error, as
+// PyTorch's "Cannot re-initialize CUDA in forked subprocess"; the child opens devices of its own
+// under new names ("LLVM:1"), or execs. The parent is untouched.
+std::uint64_t watch_forks();  // registers the handler once; returns the current generation
+std::uint64_t fork_generation() noexcept;
+[[noreturn]] void throw_forked_device(const std::string& device);
+}  // namespace detail
 
 // ---- the device -----------------------------------------------------------------------------------
 
@@ -48,13 +63,14 @@ class HCQCompiled : public Compiled {
   // _wrap_timeline_signal. Staging slots tagged with old values are reset with it.
   static constexpr std::uint64_t kTimelineWrap = 1ull << 31;
 
-  HCQCompiled(std::string name, std::shared_ptr<Allocator> allocator, std::unique_ptr<Compiler> compiler,
-              std::unique_ptr<Runtime> runtime, SourceLanguage language, std::shared_ptr<SignalPool> pool)
+  HCQCompiled(std::string name, std::shared_ptr<Allocator> allocator, std::shared_ptr<Compiler> compiler,
+              std::shared_ptr<Runtime> runtime, SourceLanguage language, std::shared_ptr<SignalPool> pool)
       : Compiled(std::move(name), std::move(allocator), std::move(compiler), std::move(runtime), language),
         pool_(std::move(pool)),
         timeline_signal_(pool_->alloc(0)),
         shadow_timeline_signal_(pool_->alloc(0)),
-        timeline_slot_(&timeline_signal_.slot()) {
+        timeline_slot_(&timeline_signal_.slot()),
+        fork_generation_(detail::watch_forks()) {
     static_assert(HCQComputeQueue<ComputeQueue>,
                   "the compute queue lacks a primitive of the HCQ contract: see the unsatisfied requirement "
                   "below and tinydev/hcq_concepts.hpp");
@@ -96,6 +112,7 @@ class HCQCompiled : public Compiled {
   // Takes the next timeline value (caller holds submit_mutex()). Lazy work is signalled first
   // (Note [Lazy timeline signals]), so work ordered after the value is ordered after it too.
   std::uint64_t next_timeline_value() {
+    check_usable();
     if (lazy_work_.load(std::memory_order_relaxed)) [[unlikely]]
       signal_lazy_work_now();
     return timeline_value_.fetch_add(1, std::memory_order_acq_rel);
@@ -121,6 +138,109 @@ class HCQCompiled : public Compiled {
     signal_lazy_work(timeline_value_.fetch_add(1, std::memory_order_acq_rel));
   }
   std::recursive_mutex& submit_mutex() const noexcept { return submit_mutex_; }
+
+  // Note [Timeline reservations]
+  // The pattern for submitting work of one's own (docs/hcq.md): take the next timeline value,
+  // record a queue that waits for value - 1 and signals value, submit it, then say so:
+  //
+  //   auto r = device.reserve_timeline_value();   // holds submit_mutex() until it is dropped
+  //   device.compute_queue().wait(device.timeline_signal(), r.value() - 1)
+  //         .exec(...).signal(device.timeline_signal(), r.value()).submit(device);
+  //   r.submitted();
+  //
+  // A reservation dropped before submitted() (recording or submitting threw) completes its value
+  // in order with an empty queue, so the device goes on; a host wait for exactly that value
+  // (wait_timeline) throws an Error saying the value was abandoned, as nothing ran for it.
+  class TimelineReservation {
+   public:
+    explicit TimelineReservation(HCQCompiled& device) : device_(&device), lock_(device.submit_mutex()) {
+      value_ = device.next_timeline_value();
+    }
+    TimelineReservation(TimelineReservation&& other) noexcept
+        : device_(other.device_), lock_(std::move(other.lock_)), value_(other.value_), done_(other.done_) {
+      other.done_ = true;
+    }
+    TimelineReservation& operator=(TimelineReservation&&) = delete;
+    ~TimelineReservation() {
+      if (!done_) device_->abandon_timeline_value(value_);
+    }
+    std::uint64_t value() const noexcept { return value_; }
+    // The work signalling value() was submitted: the reservation is spent, the lock released.
+    void submitted() noexcept {
+      done_ = true;
+      if (lock_.owns_lock()) lock_.unlock();
+    }
+
+   private:
+    HCQCompiled* device_;
+    std::unique_lock<std::recursive_mutex> lock_;
+    std::uint64_t value_ = 0;
+    bool done_ = false;
+  };
+  TimelineReservation reserve_timeline_value() { return TimelineReservation(*this); }
+
+  // Completes a taken timeline value whose work never got submitted (Note [Timeline reservations]).
+  void abandon_timeline_value(std::uint64_t value) noexcept {
+    std::lock_guard lock(submit_mutex_);
+    try {
+      compute_queue().wait(timeline_signal_, value - 1).signal(timeline_signal_, value).submit(static_cast<Compiled&>(*this));
+      std::lock_guard abandoned_lock(abandoned_mutex_);
+      if (abandoned_.size() >= 64) abandoned_.erase(abandoned_.begin());
+      abandoned_.push_back(value);
+      has_abandoned_.store(true, std::memory_order_release);
+      debug_log(1, "tinydev: {}: timeline value {} was reserved and dropped without its work: completed empty", name(), value);
+    } catch (const std::exception& e) {
+      // Not even an empty queue went in: make the hole loud rather than a hang.
+      timeline_slot_.load()->poison(fmt::format("{}: timeline value {} was reserved and dropped, and completing it "
+                                                "failed: {}", name(), value, e.what()));
+    }
+  }
+
+  // Whether this process opened the device (false in a forked child: Note [Devices and fork]).
+  bool opened_in_this_process() const noexcept { return detail::fork_generation() == fork_generation_; }
+  // Throws ForkedDevice in a forked child (Note [Devices and fork]) and DeviceFault once the
+  // device's queue failed (fault()). Lock-free; every entry point that queues or copies calls it.
+  void check_usable() const {
+    if (detail::fork_generation() != fork_generation_) [[unlikely]]
+      detail::throw_forked_device(name());
+    if (timeline_slot_.load(std::memory_order_relaxed)->poisoned.load(std::memory_order_acquire)) [[unlikely]]
+      throw DeviceFault(fmt::format("{} cannot take more work: {}. Call recover() on it to go on (docs/serving.md)",
+                                    name(), fault()));
+  }
+  std::string fault() const override {
+    const SignalSlot* slot = timeline_slot_.load(std::memory_order_acquire);
+    if (!slot->poisoned.load(std::memory_order_acquire)) return {};
+    const std::string reason = slot->poison_text();
+    return fmt::format("its queue failed: {}", reason.empty() ? "no reason recorded" : reason);
+  }
+  // Note [Fault recovery]: after a failure the queues fail fast (each later submission's first
+  // wait sees the poisoned timeline), so draining takes microseconds unless a kernel still runs.
+  std::string recover(std::chrono::milliseconds timeout = std::chrono::seconds(30)) override {
+    if (detail::fork_generation() != fork_generation_) detail::throw_forked_device(name());
+    std::lock_guard lock(submit_mutex_);
+    std::string was = fault();
+    if (was.empty()) return was;
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    while (!queues_idle()) {
+      if (std::chrono::steady_clock::now() >= deadline) {
+        const std::string stall = describe_stall();
+        throw Timeout(fmt::format("{}: recover() waited {} ms for its queues to drain{}{}", name(), timeout.count(),
+                                  stall.empty() ? "" : ": ", stall));
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
+    }
+    lazy_work_.store(false, std::memory_order_relaxed);
+    SignalSlot& slot = *timeline_slot_.load();
+    slot.clear_poison();
+    slot.store(timeline_value() - 1);  // everything submitted counts as finished
+    {
+      std::lock_guard abandoned_lock(abandoned_mutex_);
+      abandoned_.clear();
+      has_abandoned_.store(false, std::memory_order_release);
+    }
+    debug_log(1, "tinydev: {}: recovered from a fault: {}", name(), was);
+    return was;
+  }
   SignalPool& signal_pool() const noexcept { return *pool_; }
 
   // Whether this device's queues can wait on and write signals of `pool`.
@@ -157,9 +277,11 @@ class HCQCompiled : public Compiled {
   }
 
   void synchronize() override {
+    if (detail::fork_generation() != fork_generation_) [[unlikely]]
+      detail::throw_forked_device(name());
     std::lock_guard lock(submit_mutex_);
     wait_timeline(last_submitted_value());
-    if (timeline_value() > kTimelineWrap) wrap_timeline();
+    if (wraps_timeline_ && timeline_value() > kTimelineWrap) wrap_timeline();
     reclaim_signals();
     process_profile_records();
   }
@@ -170,11 +292,17 @@ class HCQCompiled : public Compiled {
   void wait_timeline(std::uint64_t value, std::chrono::milliseconds timeout = std::chrono::seconds(30)) const {
     const std::uint64_t wraps = wraps_.load(std::memory_order_acquire);
     SignalSlot* slot = timeline_slot_.load(std::memory_order_acquire);
-    if (slot->value.load(std::memory_order_acquire) >= value) return;
+    if (slot->value.load(std::memory_order_acquire) >= value) {
+      if (has_abandoned_.load(std::memory_order_acquire)) [[unlikely]]
+        check_abandoned(value);
+      return;
+    }
     const auto deadline = std::chrono::steady_clock::now() + timeout;
     while (true) {
       try {
         wait_signal_slot(*slot, value, std::chrono::milliseconds(50), nullptr);
+        if (has_abandoned_.load(std::memory_order_acquire)) [[unlikely]]
+          check_abandoned(value);
         return;
       } catch (const Timeout& e) {
         if (wraps_.load(std::memory_order_acquire) != wraps) return;
@@ -252,6 +380,19 @@ class HCQCompiled : public Compiled {
   virtual void check_health() const {}
   // What the device's queues are blocked on now, for timeout messages ("" if it cannot say).
   virtual std::string describe_stall() const { return {}; }
+  // Whether the device's queues hold no work (recover drains them). Devices whose queues can
+  // hold work after a failure override this.
+  virtual bool queues_idle() const { return true; }
+  // Devices whose Events outlive any synchronize (streams) never wrap (Note [Timeline wrap]).
+  void never_wrap_timeline() noexcept { wraps_timeline_ = false; }
+
+  void check_abandoned(std::uint64_t value) const {
+    std::lock_guard lock(abandoned_mutex_);
+    if (std::find(abandoned_.begin(), abandoned_.end(), value) != abandoned_.end())
+      throw Error(fmt::format("{}: timeline value {} was reserved and then dropped before its work was submitted (an "
+                              "exception while recording?): nothing ran for it (Note [Timeline reservations])",
+                              name(), value));
+  }
 
   void reclaim_signals() {
     std::lock_guard lock(submit_mutex_);
@@ -273,6 +414,11 @@ class HCQCompiled : public Compiled {
   std::atomic<std::uint64_t> wraps_{0};
   std::vector<ProfileRecord> profile_records_;
   std::uint64_t profile_hook_ = 0;
+  std::uint64_t fork_generation_;
+  bool wraps_timeline_ = true;
+  mutable std::mutex abandoned_mutex_;
+  std::vector<std::uint64_t> abandoned_;  // timeline values dropped unsubmitted, newest last (at most 64)
+  std::atomic<bool> has_abandoned_{false};
 };
 
 // The seed's hcq_profile: when profiling, brackets work with two timestamp commands (in `queue`
@@ -308,9 +454,10 @@ class HCQProfileScope {
   // A queue of its own that takes a timeline value, so synchronize() also waits for the timestamp
   // (the records are read, and their signals freed, after a synchronize).
   void submit_timestamp(const Signal& signal) {
-    std::lock_guard lock(device_.submit_mutex());
-    const std::uint64_t value = device_.next_timeline_value();
+    auto reservation = device_.reserve_timeline_value();
+    const std::uint64_t value = reservation.value();
     Queue().wait(device_.timeline_signal(), value - 1).timestamp(signal).signal(device_.timeline_signal(), value).submit(device_);
+    reservation.submitted();
   }
 
   Device& device_;

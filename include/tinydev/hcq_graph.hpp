@@ -49,7 +49,7 @@ class HCQGraph final : public Graph {
     for (std::size_t i = 0; i < nodes_.size(); ++i) {
       const auto* k = std::get_if<GraphKernel>(&nodes_[i]);
       const auto* program = k ? dynamic_cast<const ProgramT*>(k->program.get()) : nullptr;
-      if (k && (!program || program->device() != device.name()))
+      if (k && (!program || program->device() != kernels_device(device)))
         throw InvalidArgument(fmt::format("graph node {}: kernel '{}' was not loaded by {}'s runtime: load it "
                                           "with Device[\"{}\"].load_kernel",
                                           i, k->program->name(), device.name(), device.name()));
@@ -66,24 +66,38 @@ class HCQGraph final : public Graph {
     }
   }
 
+  // Queued work reads our kernel arguments and runs our programs: wait for the last replay's end
+  // (a poisoned signal means that work will never run). After kDestroyWait, the work is left
+  // running with what it uses leaked, never freed under it, and the destructor returns.
+  static constexpr std::chrono::seconds kDestroyWait{30};
   ~HCQGraph() override {
-    // Queued work reads our kernel arguments and programs: wait for it however long it takes;
-    // only a poisoned signal (that work will never run) ends the wait early.
-    while (replays_) {
+    bool finished = true;
+    if (replays_ && device_.opened_in_this_process()) {
       try {
-        signal_.wait(copies_[(replays_ - 1) % std::size(copies_)].last_final);  // the last replay's end
-        break;
-      } catch (const Timeout&) {
-        continue;
+        signal_.wait(copies_[(replays_ - 1) % std::size(copies_)].last_final, kDestroyWait);
+      } catch (const Timeout& e) {
+        finished = false;
+        debug_log(0, "tinydev: {}: a graph destroyed while its replay still runs after {} s; leaking its kernel "
+                  "arguments and programs instead of freeing them under it: {}",
+                  device_.name(), kDestroyWait.count(), e.what());
       } catch (...) {
-        break;
       }
+    }
+    if (!finished || !device_.opened_in_this_process()) {
+      struct Leaked {
+        std::vector<GraphNode> nodes;
+        std::shared_ptr<std::byte[]> kernargs[2];
+      };
+      new Leaked{std::move(nodes_), {copies_[0].kernargs_block, copies_[1].kernargs_block}};
+      return;
     }
     try {
       device_.free_signal(signal_);
     } catch (...) {
     }
   }
+
+  Device& device() const noexcept { return device_; }
 
  private:
   // One copy of the graph's queues and kernel arguments (Note [HCQ graph replay]).
@@ -153,8 +167,15 @@ class HCQGraph final : public Graph {
   std::optional<double> replay(std::span<const Allocation> inputs, std::span<const std::int32_t> variables,
                                bool wait) override {
     check_replay(inputs, variables);
+    device_.check_usable();
     const auto start = std::chrono::steady_clock::now();
     std::unique_lock lock(device_.submit_mutex());
+    if (signal_.slot().poisoned.load(std::memory_order_acquire)) [[unlikely]] {
+      // A replay failed, and the device has recovered since (check_usable passed, so its queues
+      // drained): the graph goes on from its last replay's end.
+      signal_.slot().clear_poison();
+      signal_.set(replays_ ? copies_[(replays_ - 1) % std::size(copies_)].last_final : 0);
+    }
     Copy& copy = copies_[replays_ % std::size(copies_)];
     ComputeQueue& compute_q = copy.compute;
     CopyQueue& copy_q = copy.copy;
@@ -211,6 +232,13 @@ class HCQGraph final : public Graph {
   }
 
  private:
+  // The device name the graph's programs must have been loaded on (a stream's lane runs its
+  // device's programs).
+  static const std::string& kernels_device(const Device& device) {
+    if constexpr (requires { device.kernels_device(); }) return device.kernels_device();
+    else return device.name();
+  }
+
   struct NodeCommands {
     bool on_compute = false;
     std::size_t wait = 0, op = 0, signal = 0, kernargs = 0;

@@ -23,6 +23,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -49,7 +50,7 @@ struct alignas(64) SignalSlot {
   alignas(64) std::atomic<std::uint32_t> generation{0};  // bumped by free: stale handles are detected
   std::atomic<std::uint32_t> poison_claim{0};  // the first poisoner writes the reason
   std::atomic<std::uint64_t> timestamp_ns{0};
-  char poison_reason[200] = {};              // written by the claimant before `poisoned` is set
+  char poison_reason[440] = {};              // written by the claimant before `poisoned` is set
 
   // Stores a value and wakes sleeping waiters (what a device's `signal` command does).
   void store(std::uint64_t v) noexcept;
@@ -57,6 +58,8 @@ struct alignas(64) SignalSlot {
   void poison(std::string_view reason) noexcept;
   // The reason the first poisoner wrote ("" if none).
   std::string poison_text() const;
+  // Takes the poison away (a device recovering from a fault, when nothing can touch the slot).
+  void clear_poison() noexcept;
 };
 
 class SignalPool;
@@ -127,6 +130,8 @@ class SignalPool {
 
   // Slot access for a handle, checking the generation.
   SignalSlot& slot(const Signal& signal);
+  // The index of a slot of this pool (for messages), nullopt if it is not one.
+  std::optional<std::uint32_t> index_of(const SignalSlot* slot) const;
 
  private:
   // Slots live in chunks that never move; the chunk table is fixed-size so that slot() can read it

@@ -9,6 +9,7 @@
 #include <immintrin.h>
 #endif
 
+#include "fatal_signals.hpp"
 #include "host.hpp"
 #include "object_runtime.hpp"
 #include "thread_pool.hpp"
@@ -19,6 +20,9 @@
 
 namespace tinydev::cpu {
 
+// "LLVM's timeline", "LLVM stream 2's timeline" or "CPU signal #7" (defined with the live devices).
+std::string describe_slot(const SignalSlot* slot);
+
 namespace {
 
 CpuHCQDevice& cpu_device(Compiled& device, std::string_view queue) {
@@ -26,6 +30,7 @@ CpuHCQDevice& cpu_device(Compiled& device, std::string_view queue) {
   if (!cpu)
     throw InvalidArgument(fmt::format("cannot submit a CPU {} queue to {}: it runs on the CPU backends' devices only",
                                       queue, device.name()));
+  cpu->check_usable();  // a forked child's device has no workers; a faulted one takes no work
   return *cpu;
 }
 
@@ -82,9 +87,11 @@ void CpuComputeQueue::_exec(const CpuProgram& program, const Kernargs& kernargs,
     throw InvalidArgument(fmt::format("exec of '{}': the kernargs have no memory; allocate them with the "
                                       "device's alloc_kernargs()",
                                       program.name()));
+  // The command holds the program: dropping the last Program handle while the exec is queued
+  // must not unload the code under it.
   mutable_commands().push_back(CpuCommand{.kind = CommandKind::exec, .program = &program, .kernargs = kernargs.ptr,
                                           .num_buffers = kernargs.num_buffers, .num_values = kernargs.num_values,
-                                          .global = global, .local = local});
+                                          .global = global, .local = local, .keep = program.weak_from_this().lock()});
 }
 
 void CpuComputeQueue::_update_exec(std::size_t cmd, Dim3 global, Dim3 local) {
@@ -116,7 +123,7 @@ void CpuCopyQueue::_submit(Compiled& device) {
 // ---- workers --------------------------------------------------------------------------------------
 
 CpuQueueWorker::CpuQueueWorker(std::string device, std::string lane)
-    : device_(std::move(device)), lane_(std::move(lane)), thread_([this] { run(); }) {}
+    : device_(std::move(device)), lane_(std::move(lane)) {}
 
 CpuQueueWorker::~CpuQueueWorker() {
   {
@@ -124,13 +131,15 @@ CpuQueueWorker::~CpuQueueWorker() {
     stop_ = true;
   }
   wake_.notify_one();
-  thread_.join();
+  if (thread_.joinable()) thread_.join();
 }
 
 void CpuQueueWorker::submit(std::shared_ptr<const std::vector<CpuCommand>> commands) {
   bool wake;
   {
     std::lock_guard lock(mutex_);
+    if (!thread_.joinable()) [[unlikely]]
+      thread_ = std::thread([this] { run(); });  // throws std::system_error, nothing queued
     pending_.push_back(std::move(commands));
     // Counted before the worker can take it (it takes under this lock), so idle() never reports
     // idle while a submission is queued or running (Note [Inline replay] relies on it).
@@ -141,6 +150,7 @@ void CpuQueueWorker::submit(std::shared_ptr<const std::vector<CpuCommand>> comma
 }
 
 void CpuQueueWorker::run() {
+  ensure_alternate_signal_stack();  // Note [Fatal signals in kernels]
   std::uint64_t taken = 0;
   while (true) {
     // A pipelined producer submits again within microseconds: spin a little before sleeping
@@ -157,9 +167,14 @@ void CpuQueueWorker::run() {
       if (pending_.empty() && stop_) return;
       next = std::move(pending_.front());
       pending_.pop_front();
+      current_ = next;
     }
     taken += 1;
     execute_commands(*next, 0, device_, lane_, /*blocking=*/true, &blocked_);
+    {
+      std::lock_guard lock(mutex_);
+      current_.reset();
+    }
     next.reset();  // the snapshot's release happens before the queue sees it unshared
     finished_.fetch_add(1, std::memory_order_release);
   }
@@ -177,6 +192,7 @@ void poison_signals_from(const std::vector<CpuCommand>& commands, std::size_t fr
 std::size_t execute_commands(const std::vector<CpuCommand>& commands, std::size_t from, const std::string& device,
                              const std::string& lane, bool blocking, BlockedOn* blocked) {
   const bool profiling = Profiler::global().enabled();
+  RunningKernel running{nullptr, device.c_str(), lane.c_str()};  // Note [Fatal signals in kernels]
   std::size_t i = from;
   try {
     for (; i < commands.size(); ++i) {
@@ -220,8 +236,17 @@ std::size_t execute_commands(const std::vector<CpuCommand>& commands, std::size_
             std::memcpy(&value, c.kernargs + 8 * c.num_buffers + 4 * v, 4);
             args[c.num_buffers + v] = value;
           }
-          const std::uint64_t start = profiling ? Profiler::now_ns() : 0;
-          c.program->launch(args, c.num_buffers + c.num_values, c.global);
+          const std::uint64_t start = profiling || blocked ? Profiler::now_ns() : 0;
+          if (blocked) {
+            blocked->running_since_ns.store(static_cast<std::int64_t>(start), std::memory_order_relaxed);
+            blocked->running_command.store(static_cast<std::int64_t>(i), std::memory_order_release);
+          }
+          running.kernel = c.program->name().c_str();
+          {
+            RunningKernelScope scope(&running);
+            c.program->launch(args, c.num_buffers + c.num_values, c.global);
+          }
+          if (blocked) blocked->running_command.store(-1, std::memory_order_release);
           const std::int64_t launched = GlobalCounters::kernel_count.fetch_add(1, std::memory_order_relaxed) + 1;
           debug_log(2, "*** {:<7} {:>6} {:<40} arg {:>3} (queued)", device, launched, c.program->name(),
                     c.num_buffers + c.num_values);
@@ -235,22 +260,41 @@ std::size_t execute_commands(const std::vector<CpuCommand>& commands, std::size_
     }
   } catch (const std::exception& e) {
     // Note [Queue failure]: the rest of this submission does not run; every signal it would have
-    // set is poisoned, so whoever waits for this work gets the reason instead of a hang.
-    poison_signals_from(commands, i,
-                        fmt::format("{} {} queue: command {} ({}) failed: {}", device, lane, i,
-                                    to_string(commands[i].kind), e.what()));
+    // set is poisoned, so whoever waits for this work gets the reason instead of a hang. A wait
+    // on a failed signal passes the first failure on, leading, so chains of waits keep the root.
+    const CpuCommand& c = commands[i];
+    if (blocked) blocked->running_command.store(-1, std::memory_order_release);
+    if (c.kind == CommandKind::wait && c.signal->poisoned.load(std::memory_order_acquire))
+      poison_signals_from(commands, i,
+                          fmt::format("{} (so {} {} queue command {}, a wait for it, failed)", c.signal->poison_text(),
+                                      device, lane, i));
+    else
+      poison_signals_from(commands, i,
+                          fmt::format("{} {} queue: command {} ({}) failed: {}", device, lane, i, to_string(c.kind),
+                                      e.what()));
   }
   return commands.size();
 }
 
 std::string CpuQueueWorker::describe_blocked() const {
+  const auto now = static_cast<std::int64_t>(Profiler::now_ns());
+  {
+    // The current submission, held under the lock, keeps the running program alive while we read it.
+    std::lock_guard lock(mutex_);
+    const std::int64_t running = blocked_.running_command.load(std::memory_order_acquire);
+    if (current_ && running >= 0 && static_cast<std::size_t>(running) < current_->size() &&
+        (*current_)[running].kind == CommandKind::exec) {
+      const std::int64_t for_ms = (now - blocked_.running_since_ns.load(std::memory_order_relaxed)) / 1'000'000;
+      return fmt::format("its {} queue has been running kernel '{}' (command {} of a submission) for {} ms", lane_,
+                         (*current_)[running].program->name(), running, for_ms);
+    }
+  }
   SignalSlot* slot = blocked_.signal.load(std::memory_order_acquire);
   if (!slot) return {};
-  const std::int64_t for_ms =
-      (static_cast<std::int64_t>(Profiler::now_ns()) - blocked_.since_ns.load(std::memory_order_relaxed)) / 1'000'000;
-  return fmt::format("its {} queue is blocked on command {} of a submission, a wait for a signal to reach {} (it is "
+  const std::int64_t for_ms = (now - blocked_.since_ns.load(std::memory_order_relaxed)) / 1'000'000;
+  return fmt::format("its {} queue is blocked on command {} of a submission, a wait for {} to reach {} (it is "
                      "at {}, for {} ms)",
-                     lane_, blocked_.command.load(std::memory_order_relaxed),
+                     lane_, blocked_.command.load(std::memory_order_relaxed), describe_slot(slot),
                      blocked_.value.load(std::memory_order_relaxed), slot->value.load(std::memory_order_acquire),
                      for_ms);
 }
@@ -300,6 +344,18 @@ LiveDevices& live_devices() {
 }
 }  // namespace
 
+std::string describe_slot(const SignalSlot* slot) {
+  {
+    LiveDevices& live = live_devices();
+    std::lock_guard lock(live.mutex);
+    for (const CpuHCQDevice* device : live.devices)
+      if (&device->timeline_signal().slot() == slot) return fmt::format("{}'s timeline", device->name());
+  }
+  if (auto index = CpuHCQDevice::shared_signal_pool()->index_of(slot))
+    return fmt::format("{} signal #{}", CpuHCQDevice::shared_signal_pool()->name(), *index);
+  return "a signal";
+}
+
 std::vector<CpuHCQDevice::TimelineMark> CpuHCQDevice::signal_users_now() const {
   std::vector<TimelineMark> marks;
   LiveDevices& live = live_devices();
@@ -318,8 +374,22 @@ CpuHCQDevice::CpuHCQDevice(const std::string& name, std::unique_ptr<Compiler> co
       compute_worker_(name, "COMPUTE"),
       copy_worker_(name, "DMA"),
       kernargs_(name) {
+  install_fatal_signal_handlers();  // Note [Fatal signals in kernels]
   // Last: a constructor that throws runs no destructor, and only the destructor removes the
   // registration (it points at this device).
+  LiveDevices& live = live_devices();
+  std::lock_guard lock(live.mutex);
+  live.devices.push_back(this);
+}
+
+CpuHCQDevice::CpuHCQDevice(CpuHCQDevice& parent, std::string lane_name)
+    : HCQCompiled(lane_name, std::make_shared<CpuAllocator>(*this), parent.shared_compiler(), parent.shared_runtime(),
+                  parent.source_language(), shared_signal_pool()),
+      compute_worker_(lane_name, "COMPUTE"),
+      copy_worker_(lane_name, "DMA"),
+      kernargs_(lane_name),
+      parent_(&parent) {
+  never_wrap_timeline();  // its events live on (Note [Timeline wrap])
   LiveDevices& live = live_devices();
   std::lock_guard lock(live.mutex);
   live.devices.push_back(this);
@@ -343,7 +413,71 @@ std::shared_ptr<std::byte[]> CpuHCQDevice::allocate_kernargs_block(std::size_t b
 }
 
 void CpuHCQDevice::before_direct_call() {
+  check_usable();
   if (!idle()) wait_timeline(timeline_value() - 1);
+}
+
+void CpuHCQDevice::synchronize() {
+  HCQCompiled::synchronize();
+  std::vector<CpuHCQDevice*> lanes;
+  {
+    std::lock_guard lock(lanes_mutex_);
+    for (const auto& lane : lanes_) lanes.push_back(lane.get());
+  }
+  for (CpuHCQDevice* lane : lanes) lane->synchronize();
+}
+
+std::shared_ptr<Stream> CpuHCQDevice::create_stream(const StreamOptions& options) {
+  check_usable();
+  if (parent_) return parent_->create_stream(options);
+  CpuHCQDevice* lane = nullptr;
+  {
+    std::lock_guard lock(lanes_mutex_);
+    if (!free_lanes_.empty()) {
+      lane = free_lanes_.back();
+      free_lanes_.pop_back();
+    } else {
+      if (lanes_.size() >= kMaxStreams)
+        throw InvalidArgument(fmt::format("{}: {} streams are alive already, the most one CPU device runs at once "
+                                          "(each has two worker threads): drop streams you no longer use, or share "
+                                          "them between requests",
+                                          name(), kMaxStreams));
+      lanes_.push_back(std::unique_ptr<CpuHCQDevice>(
+          new CpuHCQDevice(*this, fmt::format("{} stream {}", name(), ++streams_made_))));
+      lane = lanes_.back().get();
+    }
+  }
+  try {
+    return make_cpu_stream(*this, *lane, options);
+  } catch (...) {
+    return_lane(lane);
+    throw;
+  }
+}
+
+void CpuHCQDevice::return_lane(CpuHCQDevice* lane) {
+  std::lock_guard lock(lanes_mutex_);
+  free_lanes_.push_back(lane);
+}
+
+bool CpuHCQDevice::run_inline_or_submit(std::shared_ptr<const std::vector<CpuCommand>> commands, bool compute,
+                                        std::uint64_t before) {
+  CpuQueueWorker& worker = compute ? compute_worker_ : copy_worker_;
+  if (timeline_signal().slot().value.load(std::memory_order_acquire) < before) {
+    worker.submit(std::move(commands));
+    return false;
+  }
+  const std::size_t stopped = execute_commands(*commands, 0, name(), compute ? "COMPUTE" : "DMA", /*blocking=*/false);
+  if (stopped < commands->size()) {
+    // A wait for another stream's event: the worker takes it from there.
+    try {
+      worker.submit(std::make_shared<const std::vector<CpuCommand>>(commands->begin() + stopped, commands->end()));
+    } catch (const std::exception& e) {
+      poison_signals_from(*commands, stopped,
+                          fmt::format("{}: handing work to the worker failed: {}", name(), e.what()));
+    }
+  }
+  return true;
 }
 
 // Note [Inline replay]

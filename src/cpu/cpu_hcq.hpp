@@ -7,8 +7,10 @@
 // memory. All CPU devices share one signal pool (host memory every CPU queue reaches), so one CPU
 // device's queue can wait on another's signals.
 //
-// Ownership: a queue references the programs and kernargs it was recorded with; they must stay
-// alive until the work finished (a graph keeps its own alive). Devices live as long as the process.
+// Ownership: a recorded exec holds its program (and so its loaded code) until the queue's last
+// snapshot is gone, so a Program dropped while its exec is queued stays alive until the exec ran.
+// Kernel arguments must stay alive until the work finished (a device's alloc_kernargs pages do; a
+// graph keeps its own). Devices, and the lanes their streams run on, live as long as the process.
 // Thread safety: as HCQCompiled; the workers are internal.
 #pragma once
 
@@ -41,6 +43,7 @@ struct CpuCommand {
   std::byte* dest = nullptr;  // copy
   const std::byte* src = nullptr;
   std::uint64_t size = 0;
+  std::shared_ptr<const Program> keep = nullptr;  // exec: the program, alive while the command is
 };
 
 // The signal primitives both CPU queues share.
@@ -111,23 +114,28 @@ struct BlockedOn;
 std::size_t execute_commands(const std::vector<CpuCommand>& commands, std::size_t from, const std::string& device,
                              const std::string& lane, bool blocking, BlockedOn* blocked = nullptr);
 
-// What a worker is waiting for while a `wait` command blocks it (for timeout messages). Written by
-// the worker, read by any thread; slots never move, so reading through `signal` is safe.
+// What a worker is doing while a `wait` command blocks it or a kernel runs (for timeout
+// messages). Written by the worker, read by any thread; slots never move, so reading through
+// `signal` is safe, and the worker's current submission (which holds the running program) is
+// read under its lock.
 struct BlockedOn {
   std::atomic<SignalSlot*> signal{nullptr};  // nullptr: not blocked on a wait
   std::atomic<std::uint64_t> value{0};
   std::atomic<std::size_t> command{0};
   std::atomic<std::int64_t> since_ns{0};
+  std::atomic<std::int64_t> running_command{-1};  // the exec running now, -1: none
+  std::atomic<std::int64_t> running_since_ns{0};
 };
 
-// Executes submitted command lists in order on one thread.
+// Executes submitted command lists in order on one thread, started at the first submission.
 class CpuQueueWorker {
  public:
   CpuQueueWorker(std::string device, std::string lane);
   ~CpuQueueWorker();
   void submit(std::shared_ptr<const std::vector<CpuCommand>> commands);
-  // "its COMPUTE queue is blocked on command 3 of a submission, a wait for a signal to reach 7
-  // (it is at 0, for 1200 ms)", or "" when it is not blocked on a wait.
+  // "its COMPUTE queue is blocked on command 3 of a submission, a wait for CPU signal #4 to reach
+  // 7 (it is at 0, for 1200 ms)", "its COMPUTE queue has been running kernel 'k' (command 1 of a
+  // submission) for 1200 ms", or "" when it is neither waiting nor running a kernel.
   std::string describe_blocked() const;
   // Whether everything submitted has finished running (nothing queued, nothing running).
   bool idle() const noexcept {
@@ -139,16 +147,20 @@ class CpuQueueWorker {
  private:
   void run();
   std::string device_, lane_;
-  std::mutex mutex_;
+  mutable std::mutex mutex_;
   std::condition_variable wake_;
   std::deque<std::shared_ptr<const std::vector<CpuCommand>>> pending_;
+  std::shared_ptr<const std::vector<CpuCommand>> current_;  // the submission running now (under mutex_)
   std::atomic<std::uint64_t> submitted_{0};
   std::atomic<std::uint64_t> finished_{0};
   BlockedOn blocked_;
   bool sleeping_ = false;
   bool stop_ = false;
-  std::thread thread_;
+  std::thread thread_;  // started by the first submit
 };
+
+// A stream of `device` running on `lane` (Note [CPU streams]; src/cpu/cpu_stream.cpp).
+std::shared_ptr<Stream> make_cpu_stream(CpuHCQDevice& device, CpuHCQDevice& lane, const StreamOptions& options);
 
 class CpuAllocator final : public HCQAllocator<CpuHCQDevice> {
  public:
@@ -170,6 +182,23 @@ class CpuHCQDevice : public HCQCompiled<CpuComputeQueue, CpuCopyQueue>, public C
   CpuHCQDevice(const std::string& name, std::unique_ptr<Compiler> compiler, SourceLanguage language,
                const RuntimeFactory& make_runtime);
   ~CpuHCQDevice() override;
+
+  // Note [CPU streams]: a stream runs on a lane, a CpuHCQDevice of its own (two workers started
+  // at first use, a timeline that never wraps, kernel-argument pages, a staging ring) that shares
+  // this device's compiler, runtime and signal pool. Lanes are kept when their stream is dropped
+  // and handed to the next create_stream; at most kMaxStreams streams of one device live at once.
+  static constexpr std::size_t kMaxStreams = 64;
+  std::shared_ptr<Stream> create_stream(const StreamOptions& options = {}) override;
+  // The device whose programs this device's queues run: itself, or for a lane its stream's device.
+  const std::string& kernels_device() const noexcept { return parent_ ? parent_->name() : name(); }
+  // The default queue, then every stream of this device.
+  void synchronize() override;
+  // Runs `commands` (a submission for this device's compute or copy worker) on the calling thread
+  // if this device is idle (its timeline reached `before` and, for the graph case, ...): the
+  // commands up to the first wait that is not satisfied yet run here, the rest go to the worker.
+  // Returns whether anything ran here. Caller holds submit_mutex().
+  bool run_inline_or_submit(std::shared_ptr<const std::vector<CpuCommand>> commands, bool compute,
+                            std::uint64_t before);
 
   // Every CPU device's signals: host memory that every CPU queue can reach.
   static const std::shared_ptr<SignalPool>& shared_signal_pool();
@@ -205,11 +234,23 @@ class CpuHCQDevice : public HCQCompiled<CpuComputeQueue, CpuCopyQueue>, public C
  protected:
   void on_timeline_wrapped() override;
   std::string describe_stall() const override;
+  bool queues_idle() const override { return compute_worker_.idle() && copy_worker_.idle(); }
 
  private:
+  friend class CpuStream;
+  // A stream's lane (Note [CPU streams]).
+  CpuHCQDevice(CpuHCQDevice& parent, std::string lane_name);
+  // Hands a lane back (its stream is gone and its work finished).
+  void return_lane(CpuHCQDevice* lane);
+
   CpuQueueWorker compute_worker_;
   CpuQueueWorker copy_worker_;
   KernargsPages kernargs_;
+  CpuHCQDevice* parent_ = nullptr;
+  std::mutex lanes_mutex_;
+  std::vector<std::unique_ptr<CpuHCQDevice>> lanes_;  // never destroyed: events point at their timelines
+  std::vector<CpuHCQDevice*> free_lanes_;
+  std::size_t streams_made_ = 0;
 };
 
 }  // namespace tinydev::cpu

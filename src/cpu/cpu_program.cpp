@@ -6,6 +6,7 @@
 #include <array>
 #include <utility>
 
+#include "fatal_signals.hpp"
 #include "thread_pool.hpp"
 #include "tinydev/config.hpp"
 #include "tinydev/counters.hpp"
@@ -114,6 +115,8 @@ std::optional<double> CpuProgram::operator()(std::span<const Allocation> buffers
   for (const Allocation& b : buffers) args[n++] = b.va_addr;
   for (std::int32_t v : values) args[n++] = static_cast<std::uint32_t>(v);
   const std::int64_t launched = GlobalCounters::kernel_count.fetch_add(1, std::memory_order_relaxed) + 1;
+  RunningKernel running{name().c_str(), device_.c_str(), "a direct call"};  // Note [Fatal signals in kernels]
+  RunningKernelScope scope(&running);
   if (!params.wait) [[likely]] {
     launch(args, n, params.global);
     debug_log(2, "*** {:<7} {:>6} {:<40} arg {:>3}", device_, launched, name(), n);

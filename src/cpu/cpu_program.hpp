@@ -33,7 +33,7 @@ class CallOrdering {
 
 // A loaded CPU kernel. Direct calls (operator()) run on the caller's thread once the device's
 // queued work finished; queues launch it on their workers through launch().
-class CpuProgram final : public Program {
+class CpuProgram final : public Program, public std::enable_shared_from_this<CpuProgram> {
  public:
   CpuProgram(std::string name, std::string device, std::shared_ptr<void> code, void* fn,
              std::optional<KernelSignature> signature, CallOrdering* ordering);

@@ -7,12 +7,20 @@
 #include <thread>
 #include <vector>
 
+#include "fatal_signals.hpp"
 #include "tinydev/config.hpp"
+#include "tinydev/hcq_device.hpp"
 
 namespace tinydev::cpu {
 
 // ---- CpuThreadPool --------------------------------------------------------------------------------
 
+// Note [Concurrent grids]
+// Several grids may run at once (two streams, two devices, two threads making direct calls): each
+// caller publishes its job in `jobs` and works on it itself; pool threads take chunks from the
+// oldest job that has chunks left, so a grid never waits for another grid to finish, and an idle
+// pool thread helps whichever grid is running. A caller returns once its own job's indices all ran
+// and no pool thread is still inside it.
 struct CpuThreadPool::Impl {
   struct Job {
     void (*fn)(void*, std::uint64_t, std::uint64_t);
@@ -20,13 +28,11 @@ struct CpuThreadPool::Impl {
     std::uint64_t n, chunk;
     std::atomic<std::uint64_t> next{0};
     int active = 0;  // pool threads inside the job (guarded by mutex)
+    RunningKernel* kernel = nullptr;  // the caller's, for fatal-signal messages
   };
-  std::mutex job_mutex;  // one grid at a time
   std::mutex mutex;
   std::condition_variable wake, done;
-  Job* job = nullptr;
-  std::uint64_t generation = 0;
-  std::vector<std::thread> threads;
+  std::vector<Job*> jobs;  // running jobs, oldest first (guarded by mutex)
 
   static void work(Job& job) {
     while (true) {
@@ -35,17 +41,26 @@ struct CpuThreadPool::Impl {
       job.fn(job.ctx, begin, std::min(job.n, begin + job.chunk));
     }
   }
+  // A job with chunks left, or nullptr (mutex held).
+  Job* pick() {
+    for (Job* j : jobs)
+      if (j->next.load(std::memory_order_relaxed) < j->n) return j;
+    return nullptr;
+  }
   void run() {
-    std::uint64_t seen = 0;
+    ensure_alternate_signal_stack();
     std::unique_lock lock(mutex);
     while (true) {
-      wake.wait(lock, [&] { return generation != seen; });
-      seen = generation;
-      Job* j = job;
-      if (!j) continue;
+      Job* j = nullptr;
+      wake.wait(lock, [&] { return (j = pick()) != nullptr; });
       j->active += 1;
       lock.unlock();
-      work(*j);
+      {
+        RunningKernel grid_thread = j->kernel ? *j->kernel : RunningKernel{};
+        grid_thread.lane = "a grid thread";
+        RunningKernelScope scope(j->kernel ? &grid_thread : nullptr);
+        work(*j);
+      }
       lock.lock();
       if (--j->active == 0) done.notify_all();
     }
@@ -53,9 +68,12 @@ struct CpuThreadPool::Impl {
 };
 
 CpuThreadPool::CpuThreadPool(std::size_t threads) : threads_(std::max<std::size_t>(1, threads)), impl_(new Impl) {
+  start_threads();
+}
+
+void CpuThreadPool::start_threads() {
   for (std::size_t i = 1; i < threads_; ++i) {
-    impl_->threads.emplace_back([impl = impl_] { impl->run(); });
-    impl_->threads.back().detach();  // the pool lives as long as the process
+    std::thread([impl = impl_] { impl->run(); }).detach();  // the pool lives as long as the process
   }
 }
 
@@ -65,6 +83,18 @@ CpuThreadPool& CpuThreadPool::global() {
     const unsigned cores = std::thread::hardware_concurrency();
     return new CpuThreadPool(configured > 0 ? static_cast<std::size_t>(configured) : std::max(1u, cores));
   }();
+  // Note [Devices and fork]: a forked child has none of the pool's threads, and its mutex may have
+  // been copied held. The child gets a pool of its own (the old one is leaked, never touched).
+  static std::uint64_t generation = detail::watch_forks();
+  static std::mutex refork_mutex;
+  if (detail::fork_generation() != generation) [[unlikely]] {
+    std::lock_guard lock(refork_mutex);
+    if (detail::fork_generation() != generation) {
+      pool->impl_ = new Impl;
+      pool->start_threads();
+      generation = detail::fork_generation();
+    }
+  }
   return *pool;
 }
 
@@ -73,21 +103,22 @@ void CpuThreadPool::parallel_for(std::uint64_t n, void (*fn)(void*, std::uint64_
     fn(ctx, 0, n);
     return;
   }
-  std::lock_guard one_job(impl_->job_mutex);
+  Impl& impl = *impl_;
   Impl::Job job;
   job.fn = fn;
   job.ctx = ctx;
   job.n = n;
   job.chunk = std::max<std::uint64_t>(1, n / (threads_ * 8));
+  job.kernel = running_kernel();
   {
-    std::lock_guard lock(impl_->mutex);
-    impl_->job = &job;
-    impl_->generation += 1;
+    std::lock_guard lock(impl.mutex);
+    impl.jobs.push_back(&job);
   }
-  impl_->wake.notify_all();
+  impl.wake.notify_all();
   Impl::work(job);
-  std::unique_lock lock(impl_->mutex);
-  impl_->done.wait(lock, [&] { return job.active == 0; });
-  impl_->job = nullptr;  // late threads see no job; none can still be inside this one
+  std::unique_lock lock(impl.mutex);
+  // Our indices are all taken: no pool thread picks this job again (pick skips it).
+  impl.done.wait(lock, [&] { return job.active == 0; });
+  std::erase(impl.jobs, &job);
 }
 }  // namespace tinydev::cpu

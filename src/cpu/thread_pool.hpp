@@ -3,8 +3,8 @@
 //
 // Ownership: one process-wide pool, created on first use and never destroyed (its threads are
 // detached and outlive static destructors that may still launch kernels).
-// Thread safety: parallel_for may be called from any thread; one grid runs at a time, concurrent
-// callers queue.
+// Thread safety: parallel_for may be called from any thread; grids of concurrent callers run at
+// the same time, sharing the pool's threads (Note [Concurrent grids]).
 #pragma once
 
 #include <cstddef>
@@ -23,6 +23,7 @@ class CpuThreadPool {
 
  private:
   explicit CpuThreadPool(std::size_t threads);
+  void start_threads();
   struct Impl;
   std::size_t threads_;
   Impl* impl_;
