@@ -579,7 +579,8 @@ int main(int argc, char** argv) {
         {"staging", bench_staging},
         {"cache_bound", bench_cache_bound},
         {"hostile", bench_hostile_entries},
-        {"cpu_speed", [&] { bench::bench_cpu_speed(row, exe); }}};
+        {"cpu_speed", [&] { bench::bench_cpu_speed(row, exe); }},
+        {"serving", [&] { bench::bench_serving(row); }}};
     for (const auto& [name, run] : sections)
       if (only.empty() || ("," + only + ",").find("," + name + ",") != std::string::npos) run();
     int missed = 0;

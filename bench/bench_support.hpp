@@ -51,6 +51,8 @@ using RowFn = std::function<void(std::string what, std::string lib, std::string 
 void bench_cpu_speed(const RowFn& row, const std::string& exe);
 int child_handoff(const std::string& mode);
 int child_open(const std::string& device);
+// bench_serving.cpp: streams and events (docs/serving.md).
+void bench_serving(const RowFn& row);
 
 // p50 and p99 of latency samples.
 struct Percentiles {

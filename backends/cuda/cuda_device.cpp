@@ -288,10 +288,12 @@ Allocation CudaAllocator::alloc_impl(std::size_t size, const BufferOptions& opti
   return Allocation{static_cast<std::uintptr_t>(p), size, nullptr};
 }
 
-void CudaAllocator::free_impl(Allocation allocation, std::size_t, const BufferOptions& options) {
+void CudaAllocator::free_impl(Allocation allocation, std::size_t size, const BufferOptions& options) {
   const DeviceState& s = device_.state();
   if (s.released.load()) return;  // at exit, the context (and its memory) is gone already
-  wait_before_free();  // queued work may still use the memory (the seed's allocators synchronize too)
+  // Queued work may still use the memory (the seed's allocators synchronize too); a hung kernel's
+  // memory, or a forked child's view of the parent's, is leaked instead.
+  if (!wait_before_free(size)) return;
   s.make_current();
   if (options.host) check(s.api.cuMemFreeHost(allocation.host_ptr()), "cuMemFreeHost", s.name);
   else check(s.api.cuMemFree(static_cast<CUdeviceptr>(allocation.va_addr)), "cuMemFree", s.name);
@@ -371,7 +373,7 @@ void CudaHCQDevice::submit_commands(CudaLane lane, std::span<const CudaCommand> 
   // Note [CUDA queue depth]: a producer far ahead of the GPU waits here, not in the driver (whose
   // own queue, once full, blocks inside a launch with our submit mutex held).
   const std::uint64_t reached = timeline_signal().slot().value.load(std::memory_order_acquire);
-  if (timeline_value() > reached + kMaxInFlight + 1) wait_timeline(timeline_value() - 1 - kMaxInFlight);
+  if (timeline_value() > reached + kMaxInFlight + 1) wait_timeline_reached(timeline_value() - 1 - kMaxInFlight);
   const DeviceState& s = *state_;
   s.make_current();
   CUstream stream = lane == CudaLane::compute ? s.compute : s.copy;
@@ -586,7 +588,7 @@ void CudaHCQDevice::signal_lazy_work(std::uint64_t value) {
   // At most lazy_marks_.size() x kLazySignalEvery direct calls in flight: wait for the signal that
   // many lazy signals ago (a GPU far behind blocks the caller here, not inside the driver).
   std::uint64_t& oldest = lazy_marks_[lazy_mark_next_];
-  if (oldest) wait_timeline(oldest);
+  if (oldest) wait_timeline_reached(oldest);
   oldest = value;
   lazy_mark_next_ = (lazy_mark_next_ + 1) % lazy_marks_.size();
   submit_commands(CudaLane::compute, std::span(&command, 1));

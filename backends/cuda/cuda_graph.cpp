@@ -51,7 +51,7 @@ class CudaGraph final : public Graph {
     if (s.released.load()) return;  // at exit the context took the graph along
     try {
       // A replay may still run: wait for it.
-      if (replayed_) device_.wait_timeline(device_.last_submitted_value());
+      if (replayed_) device_.wait_timeline_reached(device_.last_submitted_value());
     } catch (const std::exception&) {
       // The device failed: its work will not run any more.
     }

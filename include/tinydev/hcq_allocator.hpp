@@ -94,7 +94,7 @@ class HCQAllocator : public LRUAllocator {
     device_.check_usable();
     std::lock_guard lock(device_.submit_mutex());
     // The device's default queue only: its streams' work is ordered through events, not here.
-    device_.wait_timeline(device_.last_submitted_value());
+    device_.wait_timeline_reached(device_.last_submitted_value());
     if (host_visible_ && !force_staging_) {
       direct_copy(dest.data(), src.host_ptr<std::byte>(), dest.size(), device_.name(), "CPU");
       return;
@@ -180,8 +180,25 @@ class HCQAllocator : public LRUAllocator {
   virtual void host_copy(std::byte* dest, const std::byte* src, std::size_t size) { std::memcpy(dest, src, size); }
   // Backends call this in free_impl before memory really goes: a staged copy or a queued kernel
   // submitted earlier may still write it (the seed's allocators synchronize in _free likewise).
-  void wait_before_free() const {
-    if (device_alive_ && !device_.idle()) device_.wait_timeline(device_.last_submitted_value());
+  // Returns false when the memory must not be freed: the work did not finish in time (a hung
+  // kernel) or the device belongs to the parent of this forked process. The caller then leaks it
+  // (and says so at TINYDEV_DEBUG=1): freeing memory a kernel still writes would corrupt whatever
+  // reuses it. A device whose wait already timed out once is waited for 1 s, not 30, so a process
+  // with a hung kernel still exits in reasonable time.
+  bool wait_before_free(std::size_t bytes) const {
+    if (!device_alive_ || device_.idle()) return true;
+    if (!device_.opened_in_this_process()) return false;
+    try {
+      device_.wait_timeline_reached(device_.last_submitted_value(), device_.has_timed_out() ? std::chrono::seconds(1)
+                                                                                     : std::chrono::seconds(30));
+    } catch (const Timeout& e) {
+      debug_log(1, "tinydev: {}: leaking {} bytes instead of freeing them under running work: {}", device_.name(),
+                bytes, e.what());
+      return false;
+    } catch (const Error&) {
+      // The work failed (a poisoned timeline): it will never touch the memory.
+    }
+    return true;
   }
 
  public:

@@ -115,7 +115,11 @@ class HCQCompiled : public Compiled {
     check_usable();
     if (lazy_work_.load(std::memory_order_relaxed)) [[unlikely]]
       signal_lazy_work_now();
-    return timeline_value_.fetch_add(1, std::memory_order_acq_rel);
+    // Writers hold submit_mutex(), so a load and a store do (no locked read-modify-write on the
+    // path of every submission); lock-free readers see the value released.
+    const std::uint64_t value = timeline_value_.load(std::memory_order_relaxed);
+    timeline_value_.store(value + 1, std::memory_order_release);
+    return value;
   }
   // The last timeline value submitted, covering lazy work too (it is signalled first). Wait for
   // this, not timeline_value() - 1, to wait for everything submitted so far.
@@ -280,34 +284,37 @@ class HCQCompiled : public Compiled {
     if (detail::fork_generation() != fork_generation_) [[unlikely]]
       detail::throw_forked_device(name());
     std::lock_guard lock(submit_mutex_);
-    wait_timeline(last_submitted_value());
+    wait_timeline_reached(last_submitted_value());
     if (wraps_timeline_ && timeline_value() > kTimelineWrap) wrap_timeline();
     reclaim_signals();
     process_profile_records();
   }
 
-  // Blocks until the timeline reached `value`. Timeout names the device.
+  // Blocks until the timeline reached `value`. Timeout names the device and what its queues are
+  // blocked on; an Error if `value` was reserved and dropped (Note [Timeline reservations]).
   // Safe without the submit mutex (the current timeline slot is published atomically).
   // A wrap in the meantime (Note [Timeline wrap]) means everything before it finished: done too.
   void wait_timeline(std::uint64_t value, std::chrono::milliseconds timeout = std::chrono::seconds(30)) const {
+    wait_timeline_reached(value, timeout);
+    if (has_abandoned_.load(std::memory_order_acquire)) [[unlikely]]
+      check_abandoned(value);
+  }
+  // wait_timeline for waits that cover everything before `value` (synchronize, frees), where an
+  // abandoned value is no error.
+  void wait_timeline_reached(std::uint64_t value, std::chrono::milliseconds timeout = std::chrono::seconds(30)) const {
     const std::uint64_t wraps = wraps_.load(std::memory_order_acquire);
     SignalSlot* slot = timeline_slot_.load(std::memory_order_acquire);
-    if (slot->value.load(std::memory_order_acquire) >= value) {
-      if (has_abandoned_.load(std::memory_order_acquire)) [[unlikely]]
-        check_abandoned(value);
-      return;
-    }
+    if (slot->value.load(std::memory_order_acquire) >= value) return;
     const auto deadline = std::chrono::steady_clock::now() + timeout;
     while (true) {
       try {
         wait_signal_slot(*slot, value, std::chrono::milliseconds(50), nullptr);
-        if (has_abandoned_.load(std::memory_order_acquire)) [[unlikely]]
-          check_abandoned(value);
         return;
       } catch (const Timeout& e) {
         if (wraps_.load(std::memory_order_acquire) != wraps) return;
         check_health();  // a device that failed without signalling poisons the timeline here
         if (std::chrono::steady_clock::now() >= deadline) {
+          timed_out_.store(true, std::memory_order_relaxed);
           const std::string stall = describe_stall();
           throw Timeout(fmt::format("{}: waiting for timeline value {} timed out after {} ms: it is at {}{}{}", name(),
                                     value, timeout.count(), slot->value.load(), stall.empty() ? "" : "; ", stall));
@@ -315,6 +322,9 @@ class HCQCompiled : public Compiled {
       }
     }
   }
+  // Whether a host wait on this device's timeline ever timed out (a hung kernel, a wait nobody
+  // signals): later waits that only guard a free are kept short.
+  bool has_timed_out() const noexcept { return timed_out_.load(std::memory_order_relaxed); }
   // Whether everything submitted so far has finished. Lock-free.
   bool idle() const noexcept {
     if (lazy_work_.load(std::memory_order_acquire)) return false;
@@ -323,7 +333,7 @@ class HCQCompiled : public Compiled {
 
   void wrap_timeline() {
     std::lock_guard lock(submit_mutex_);
-    wait_timeline(last_submitted_value());
+    wait_timeline_reached(last_submitted_value());
     std::swap(timeline_signal_, shadow_timeline_signal_);
     timeline_signal_.set(0);
     timeline_value_.store(1, std::memory_order_release);
@@ -336,7 +346,7 @@ class HCQCompiled : public Compiled {
   // For tests of the wrap: jumps the timeline to `value` (the device must be idle).
   void set_timeline_for_testing(std::uint64_t value) {
     std::lock_guard lock(submit_mutex_);
-    wait_timeline(last_submitted_value());
+    wait_timeline_reached(last_submitted_value());
     timeline_signal_.set(value - 1);
     timeline_value_.store(value, std::memory_order_release);
     on_timeline_wrapped();
@@ -419,6 +429,7 @@ class HCQCompiled : public Compiled {
   mutable std::mutex abandoned_mutex_;
   std::vector<std::uint64_t> abandoned_;  // timeline values dropped unsubmitted, newest last (at most 64)
   std::atomic<bool> has_abandoned_{false};
+  mutable std::atomic<bool> timed_out_{false};
 };
 
 // The seed's hcq_profile: when profiling, brackets work with two timestamp commands (in `queue`

@@ -48,8 +48,10 @@ struct StreamOptions {
 class Event {
  public:
   Event() = default;  // an event that is complete from the start
-  Event(Signal signal, std::uint64_t value, std::shared_ptr<const std::string> source)
-      : signal_(signal), value_(value), source_(std::move(source)) {}
+  // Complete once `signal` reaches `value`. `source` names it in messages (nullptr: the signal);
+  // it must outlive the event (streams pass their lane's name: lanes live as long as the process).
+  Event(Signal signal, std::uint64_t value, const std::string* source = nullptr)
+      : signal_(signal), value_(value), source_(source) {}
 
   // Whether the work before the event finished. DeviceFault (naming the failure) if it failed.
   bool query() const;
@@ -65,7 +67,7 @@ class Event {
  private:
   Signal signal_;
   std::uint64_t value_ = 0;
-  std::shared_ptr<const std::string> source_;
+  const std::string* source_ = nullptr;
 };
 
 class Stream {

@@ -320,8 +320,8 @@ Allocation CpuAllocator::alloc_impl(std::size_t size, const BufferOptions&) {
   return detail::alloc_host_memory(size, describe());
 }
 
-void CpuAllocator::free_impl(Allocation allocation, std::size_t, const BufferOptions&) {
-  wait_before_free();
+void CpuAllocator::free_impl(Allocation allocation, std::size_t size, const BufferOptions&) {
+  if (!wait_before_free(size)) return;  // running work may still touch it: leaked, not freed under it
   detail::free_host_memory(allocation);
 }
 
@@ -414,7 +414,7 @@ std::shared_ptr<std::byte[]> CpuHCQDevice::allocate_kernargs_block(std::size_t b
 
 void CpuHCQDevice::before_direct_call() {
   check_usable();
-  if (!idle()) wait_timeline(timeline_value() - 1);
+  if (!idle()) wait_timeline_reached(timeline_value() - 1);
 }
 
 void CpuHCQDevice::synchronize() {
@@ -424,7 +424,16 @@ void CpuHCQDevice::synchronize() {
     std::lock_guard lock(lanes_mutex_);
     for (const auto& lane : lanes_) lanes.push_back(lane.get());
   }
-  for (CpuHCQDevice* lane : lanes) lane->synchronize();
+  // Every stream's work ends, finished or failed; a stream's failure is the stream's to report
+  // (Stream::fault), not the device's.
+  for (CpuHCQDevice* lane : lanes) {
+    if (!lane->fault().empty()) continue;
+    try {
+      lane->synchronize();
+    } catch (const Error&) {
+      if (lane->fault().empty()) throw;
+    }
+  }
 }
 
 std::shared_ptr<Stream> CpuHCQDevice::create_stream(const StreamOptions& options) {
@@ -535,7 +544,8 @@ DeviceCapabilities CpuHCQDevice::capabilities() const {
                             .host_objects = dynamic_cast<const ObjectRuntime*>(&runtime()) != nullptr,
                             .native_graphs = true,
                             .host_visible_memory = true,
-                            .hcq = true};
+                            .hcq = true,
+                            .streams = true};
 }
 
 std::map<std::string, std::string> CpuHCQDevice::properties() const {

@@ -1,10 +1,14 @@
 // CPU streams (Note [CPU streams] in cpu_hcq.hpp; the contract is tinydev/stream.hpp).
 #include <fmt/format.h>
 
+#include <cstring>
 #include <deque>
 #include <mutex>
 
 #include "cpu_hcq.hpp"
+#include "fatal_signals.hpp"
+#include "tinydev/counters.hpp"
+#include "tinydev/profile.hpp"
 #include "tinydev/hcq_graph.hpp"
 #include "tinydev/registry.hpp"
 
@@ -24,7 +28,7 @@ namespace tinydev::cpu {
 class CpuStream final : public Stream {
  public:
   CpuStream(CpuHCQDevice& device, CpuHCQDevice& lane, const StreamOptions& options)
-      : device_(device), lane_(lane), options_(options), name_(std::make_shared<const std::string>(lane.name())) {}
+      : device_(device), lane_(lane), options_(options), name_(&lane.name()) {}
 
   ~CpuStream() override {
     // Our work reads buffers we hold: wait for it (bounded), then give the lane back for reuse. A
@@ -32,9 +36,9 @@ class CpuStream final : public Stream {
     bool reusable = lane_.opened_in_this_process();
     if (reusable && lane_.fault().empty()) {
       try {
-        std::lock_guard lock(mutex_);
+        std::lock_guard lock(lane_.submit_mutex());
         flush_waits();
-        lane_.wait_timeline(lane_.last_submitted_value(), std::chrono::seconds(30));
+        lane_.wait_timeline_reached(lane_.last_submitted_value(), std::chrono::seconds(30));
       } catch (const Timeout& e) {
         debug_log(0, "tinydev: {}: dropped while its work still runs ({}); its lane is not reused", *name_, e.what());
         reusable = false;
@@ -66,15 +70,20 @@ class CpuStream final : public Stream {
     if (src.size() != dest.nbytes())
       throw InvalidArgument(fmt::format("{}: copyin of {} bytes into a buffer of {} bytes: give exactly the buffer's size",
                                         *name_, src.size(), dest.nbytes()));
-    std::lock_guard lock(mutex_);
+    std::lock_guard lock(lane_.submit_mutex());
     prepare();
+    if (runs_here(lane_.timeline_value())) {
+      // Nothing of this stream is queued or waited for: copy now, as the allocator's idle path does.
+      std::memcpy(dest.allocation().host_ptr<std::byte>(), src.data(), src.size());
+      return Event(lane_.timeline_signal(), lane_.timeline_value() - 1, name_);
+    }
     flush_waits();
     auto& allocator = lane_.cpu_allocator();
     allocator.set_force_staging(!options_.run_inline_when_idle);
     // The lane's staging ring: a direct copy when the lane is idle, else through its copy queue,
     // ordered after the lane's work; either way the caller's bytes are read before this returns.
     allocator.copyin(dest.allocation(), src);
-    return finish({dest}, nullptr);
+    return finish(std::span(&dest, 1), nullptr);
   }
 
   Event copyout(std::span<std::byte> dest, const Buffer& src) override {
@@ -83,10 +92,14 @@ class CpuStream final : public Stream {
       throw InvalidArgument(fmt::format("{}: copyout of a buffer of {} bytes into {} bytes: give exactly the buffer's "
                                         "size",
                                         *name_, src.nbytes(), dest.size()));
-    std::lock_guard lock(mutex_);
+    std::lock_guard lock(lane_.submit_mutex());
     prepare();
     auto reservation = lane_.reserve_timeline_value();
     const std::uint64_t value = reservation.value();
+    if (runs_here(value)) {
+      std::memcpy(dest.data(), src.allocation().host_ptr<const std::byte>(), dest.size());
+      return ran_here(reservation, value);
+    }
     CpuCopyQueue q;
     q.wait(lane_.timeline_signal(), value - 1);
     for (const auto& [signal, wanted] : waits_) q.wait(signal, wanted);
@@ -96,7 +109,7 @@ class CpuStream final : public Stream {
     run(q.words(), /*compute=*/false, value - 1);
     reservation.submitted();
     waits_.clear();
-    return finish({src}, nullptr);
+    return finish(std::span(&src, 1), nullptr);
   }
 
   Event launch(const std::shared_ptr<Program>& program, std::span<const Buffer> buffers,
@@ -106,19 +119,36 @@ class CpuStream final : public Stream {
       throw InvalidArgument(fmt::format("{}: kernel '{}' was not loaded on {}: load it with Device[\"{}\"].load_kernel",
                                         *name_, program ? program->name() : std::string("(null)"), device_.name(),
                                         device_.name()));
-    std::vector<Allocation> allocations;
-    allocations.reserve(buffers.size());
-    for (const Buffer& b : buffers) {
-      check_buffer(b, "launch");
-      allocations.push_back(b.allocation());
+    cpu_program->check_launch(buffers.size(), values.size(), params.global);  // at most kMaxKernelArgs in all
+    Allocation allocations[kMaxKernelArgs];
+    for (std::size_t i = 0; i < buffers.size(); ++i) {
+      check_buffer(buffers[i], "launch");
+      allocations[i] = buffers[i].allocation();
     }
-    std::lock_guard lock(mutex_);
+    std::lock_guard lock(lane_.submit_mutex());
     prepare();
     auto reservation = lane_.reserve_timeline_value();
     const std::uint64_t value = reservation.value();
-    const Kernargs kernargs = lane_.alloc_kernargs(static_cast<std::uint32_t>(allocations.size()),
+    if (runs_here(value)) {
+      // As a direct Program call: the arguments packed as the kernel ABI takes them.
+      std::uint64_t args[kMaxKernelArgs];
+      std::size_t count = 0;
+      for (std::size_t i = 0; i < buffers.size(); ++i) args[count++] = allocations[i].va_addr;
+      for (std::int32_t v : values) args[count++] = static_cast<std::uint32_t>(v);
+      const bool profiling = Profiler::global().enabled();
+      const std::uint64_t start = profiling ? Profiler::now_ns() : 0;
+      {
+        RunningKernel running{cpu_program->name().c_str(), name_->c_str(), "a stream's caller"};
+        RunningKernelScope scope(&running);
+        cpu_program->launch(args, count, params.global);
+      }
+      GlobalCounters::kernel_count.fetch_add(1, std::memory_order_relaxed);
+      if (profiling) Profiler::global().add(ProfileEvent{cpu_program->name(), start, Profiler::now_ns(), *name_, "COMPUTE"});
+      return ran_here(reservation, value);
+    }
+    const Kernargs kernargs = lane_.alloc_kernargs(static_cast<std::uint32_t>(buffers.size()),
                                                    static_cast<std::uint32_t>(values.size()));
-    fill_kernargs(*cpu_program, kernargs, allocations, values);
+    fill_kernargs(*cpu_program, kernargs, std::span<const Allocation>(allocations, buffers.size()), values);
     CpuComputeQueue q;
     q.wait(lane_.timeline_signal(), value - 1);
     for (const auto& [signal, wanted] : waits_) q.wait(signal, wanted);
@@ -126,7 +156,7 @@ class CpuStream final : public Stream {
     run(q.words(), /*compute=*/true, value - 1);
     reservation.submitted();
     waits_.clear();
-    return finish(std::vector<Buffer>(buffers.begin(), buffers.end()), program);
+    return finish(buffers, program);
   }
 
   std::unique_ptr<Graph> create_graph(std::vector<GraphNode> nodes) override {
@@ -148,11 +178,11 @@ class CpuStream final : public Stream {
       check_buffer(b, "replay");
       allocations.push_back(b.allocation());
     }
-    std::lock_guard lock(mutex_);
+    std::lock_guard lock(lane_.submit_mutex());
     prepare();
     flush_waits();
     hcq->replay(allocations, variables, /*wait=*/false);
-    return finish(std::vector<Buffer>(inputs.begin(), inputs.end()), nullptr);
+    return finish(inputs, nullptr);
   }
 
   Event transfer(const Buffer& dest, const Buffer& src) override {
@@ -166,11 +196,12 @@ class CpuStream final : public Stream {
     if (!dest_device)
       throw InvalidArgument(fmt::format("{}: transfer to {}: a CPU stream transfers to CPU devices only", *name_,
                                         dest.device()));
-    std::lock_guard lock(mutex_);
+    std::lock_guard lock(lane_.submit_mutex());
     prepare();
     flush_waits();
     HCQAllocator<CpuHCQDevice>::transfer(dest.allocation(), src.allocation(), src.nbytes(), lane_, *dest_device);
-    return finish({dest, src}, nullptr);
+    const Buffer both[] = {dest, src};
+    return finish(both, nullptr);
   }
 
   void wait(const Event& event) override {
@@ -179,28 +210,28 @@ class CpuStream final : public Stream {
       event.wait();  // another backend's event: waited for here, on the host
       return;
     }
-    std::lock_guard lock(mutex_);
+    std::lock_guard lock(lane_.submit_mutex());
     waits_.emplace_back(event.signal(), event.value());
   }
 
   Event record() override {
-    std::lock_guard lock(mutex_);
+    std::lock_guard lock(lane_.submit_mutex());
     prepare();
     flush_waits();
     return Event(lane_.timeline_signal(), lane_.last_submitted_value(), name_);
   }
 
   void synchronize(std::chrono::milliseconds timeout) override {
-    std::lock_guard lock(mutex_);
+    std::lock_guard lock(lane_.submit_mutex());
     lane_.check_usable();
     flush_waits();
-    lane_.wait_timeline(lane_.last_submitted_value(), timeout);
+    lane_.wait_timeline_reached(lane_.last_submitted_value(), timeout);
     release_finished();
   }
 
   std::string fault() const override { return lane_.fault(); }
   std::string recover(std::chrono::milliseconds timeout) override {
-    std::lock_guard lock(mutex_);
+    std::lock_guard lock(lane_.submit_mutex());
     std::string was = lane_.recover(timeout);
     waits_.clear();
     release_finished();
@@ -227,6 +258,7 @@ class CpuStream final : public Stream {
     release_finished();
   }
   void release_finished() {
+    if (held_.empty()) return;
     const std::uint64_t reached = lane_.timeline_signal().value();
     while (!held_.empty() && held_.front().value <= reached) held_.pop_front();
   }
@@ -248,18 +280,32 @@ class CpuStream final : public Stream {
     if (options_.run_inline_when_idle) lane_.run_inline_or_submit(std::move(words), compute, before);
     else (compute ? lane_.compute_worker() : lane_.copy_worker()).submit(std::move(words));
   }
-  // The event ending everything submitted so far; what it used is held until then.
-  Event finish(std::vector<Buffer> buffers, std::shared_ptr<Program> program) {
-    const std::uint64_t value = lane_.last_submitted_value();
-    if (lane_.timeline_signal().value() < value) held_.push_back(Held{value, std::move(buffers), std::move(program)});
+  // Whether the work of timeline value `value` (reserved, its lock held) runs on the caller with no
+  // queue at all: inline runs asked for, no event to wait for, and everything before it finished.
+  bool runs_here(std::uint64_t value) const {
+    return options_.run_inline_when_idle && waits_.empty() &&
+           lane_.timeline_signal().slot().value.load(std::memory_order_acquire) + 1 >= value;
+  }
+  // The work of `value` ran on the caller: the timeline reaches it, as a queue's signal would.
+  Event ran_here(HCQCompiled<CpuComputeQueue, CpuCopyQueue>::TimelineReservation& reservation, std::uint64_t value) {
+    lane_.timeline_signal().slot().store(value);
+    reservation.submitted();
+    return Event(lane_.timeline_signal(), value, name_);
+  }
+  // The event ending everything submitted so far; what it used is held until then. (A lane never
+  // has lazy work: its last submitted value is timeline_value() - 1.)
+  Event finish(std::span<const Buffer> buffers, std::shared_ptr<Program> program) {
+    const std::uint64_t value = lane_.timeline_value() - 1;
+    if (lane_.timeline_signal().slot().value.load(std::memory_order_acquire) < value)
+      held_.push_back(Held{value, std::vector<Buffer>(buffers.begin(), buffers.end()), std::move(program)});
     return Event(lane_.timeline_signal(), value, name_);
   }
 
   CpuHCQDevice& device_;
   CpuHCQDevice& lane_;
   StreamOptions options_;
-  std::shared_ptr<const std::string> name_;
-  std::mutex mutex_;
+  const std::string* name_;  // the lane's: lives as long as the process
+  // The lane's submit mutex serializes this stream's operations and guards these two.
   std::vector<std::pair<Signal, std::uint64_t>> waits_;  // events to wait for in the next submission
   std::deque<Held> held_;
 };

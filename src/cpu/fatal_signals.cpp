@@ -73,7 +73,7 @@ void fatal_handler(int sig, siginfo_t* info, void* context) {
     write_str(k->lane);
     write_str("), faulting address ");
     write_hex(reinterpret_cast<std::uintptr_t>(info ? info->si_addr : nullptr));
-    write_str("; the process cannot go on (its queue's state is unknown)\n");
+    write_str("; the process cannot go on safely\n");
   }
   const struct sigaction& prev = previous_actions[sig];
   if ((prev.sa_flags & SA_SIGINFO) && prev.sa_sigaction) {

@@ -1,0 +1,397 @@
+// Serving (docs/serving.md): streams and events, sticky faults and recovery, timeline
+// reservations, lifetimes of queued work, fork. Each test is a finding of the serving issue, and
+// fails without its fix.
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <thread>
+
+#include "cpu_hcq.hpp"
+#include "demo_kernels.hpp"
+#include "hcq_support.hpp"
+
+using namespace tinydev;
+using namespace tinydev::testing;
+using namespace std::chrono_literals;
+
+namespace {
+
+constexpr Needs kCpuKernels{.kernels = true, .host_objects = true, .hcq = true};
+
+cpu::CpuHCQDevice& as_cpu(Compiled& dev) { return dynamic_cast<cpu::CpuHCQDevice&>(dev); }
+
+std::shared_ptr<Program> load_add(Compiled& dev) { return dev.load_kernel("add", kernels::add_f32(dev.source_language())); }
+
+Buffer float_buffer(Compiled& dev, std::size_t n) {
+  Buffer b(dev.name(), n, dtypes::float32);
+  b.allocate();
+  return b;
+}
+
+std::vector<float> add_reference(const std::vector<float>& a, const std::vector<float>& b) {
+  std::vector<float> out(a.size());
+  for (std::size_t i = 0; i < a.size(); ++i) out[i] = a[i] + b[i];
+  return out;
+}
+
+std::span<const std::byte> bytes_of(const std::vector<float>& v) { return std::as_bytes(std::span(v)); }
+std::span<std::byte> bytes_of(std::vector<float>& v) { return std::as_writable_bytes(std::span(v)); }
+
+}  // namespace
+
+TEST_CASE("serving: a timeline reservation dropped by an exception completes its value so the device goes on",
+          "[serving]") {
+  for_each_hcq_device([](auto& dev) {
+    Signal freed = dev.alloc_signal(0);
+    dev.free_signal(freed);
+    std::uint64_t dropped = 0;
+    try {
+      auto r = dev.reserve_timeline_value();
+      dropped = r.value();
+      // Recording throws (a freed signal): the reservation unwinds unsubmitted.
+      dev.compute_queue().wait(dev.timeline_signal(), r.value() - 1).wait(freed, 1).signal(dev.timeline_signal(), r.value()).submit(dev);
+      r.submitted();
+      FAIL("recording with a freed signal must throw");
+    } catch (const InvalidArgument&) {
+    }
+    REQUIRE(dropped > 0);
+    // Without the reservation, this value would never be signalled and every wait below would time out.
+    CHECK_NOTHROW(dev.wait_timeline(dropped - 1, 5000ms));
+    CHECK_THROWS_WITH(dev.wait_timeline(dropped, 5000ms),
+                      Catch::Contains("timeline value " + std::to_string(dropped)) && Catch::Contains("dropped"));
+    CHECK_NOTHROW(dev.synchronize());
+    CHECK(dev.idle());
+    // The device goes on: random bytes round-trip.
+    const auto data = random_bytes(4096 + fresh_seed() % 4096, fresh_seed());
+    Buffer b(dev.name(), data.size(), dtypes::uint8);
+    b.allocate().copyin(data);
+    std::vector<std::byte> back(data.size());
+    b.copyout(std::span<std::byte>(back));
+    CHECK(back == data);
+  }, Needs{});
+}
+
+TEST_CASE("serving: after a queue failure every call throws DeviceFault naming it until recover()", "[serving]") {
+  for_each_backend(kCpuKernels, [](Compiled& compiled) {
+    auto& dev = as_cpu(compiled);
+    auto add = load_add(dev);
+    const std::size_t n = 64 + fresh_seed() % 64;
+    const auto a = random_floats(n, fresh_seed()), b = random_floats(n, fresh_seed());
+    Buffer ba = float_buffer(dev, n), bb = float_buffer(dev, n), out = float_buffer(dev, n);
+    ba.copyin(bytes_of(a));
+    bb.copyin(bytes_of(b));
+    // A queue whose dependency fails: the device's timeline is poisoned.
+    Signal gate = dev.alloc_signal(0);
+    const std::string cause = "injected failure " + std::to_string(fresh_seed() % 100000);
+    {
+      auto r = dev.reserve_timeline_value();
+      dev.compute_queue().wait(dev.timeline_signal(), r.value() - 1).wait(gate, 1).signal(dev.timeline_signal(), r.value()).submit(dev);
+      r.submitted();
+    }
+    gate.poison(cause);
+    CHECK_THROWS_AS(dev.synchronize(), Error);
+    REQUIRE_THAT(dev.fault(), Catch::Contains(cause));
+    // Every later call says so, naming the first failure; none reports success without its work.
+    const auto fresh = random_floats(n, fresh_seed());
+    CHECK_THROWS_AS(ba.copyin(bytes_of(fresh)), DeviceFault);
+    CHECK_THROWS_WITH(ba.copyin(bytes_of(fresh)), Catch::Contains(cause) && Catch::Contains("recover()"));
+    std::vector<float> back(n);
+    CHECK_THROWS_AS(ba.copyout(bytes_of(back)), DeviceFault);
+    const Allocation args[] = {out.allocation(), ba.allocation(), bb.allocation()};
+    const std::int32_t values[] = {static_cast<std::int32_t>(n)};
+    CHECK_THROWS_AS((*add)(args, values), DeviceFault);
+    CHECK_THROWS_AS(dev.reserve_timeline_value(), DeviceFault);
+    CHECK_THROWS_AS(dev.create_stream(), DeviceFault);
+    // recover() clears it and says what it cleared; the buffers hold what they held before.
+    CHECK_THAT(dev.recover(), Catch::Contains(cause));
+    CHECK(dev.fault().empty());
+    CHECK(dev.recover().empty());
+    ba.copyout(bytes_of(back));
+    CHECK(back == a);
+    (*add)(args, values);
+    out.copyout(bytes_of(back));
+    CHECK(back == add_reference(a, b));
+    dev.synchronize();
+    dev.free_signal(gate);
+  });
+}
+
+TEST_CASE("serving: a Program dropped while its exec is queued stays alive until the exec ran", "[serving]") {
+  for_each_backend(kCpuKernels, [](Compiled& compiled) {
+    auto& dev = as_cpu(compiled);
+    const std::size_t n = 256 + fresh_seed() % 256;
+    const auto a = random_floats(n, fresh_seed()), b = random_floats(n, fresh_seed());
+    Buffer ba = float_buffer(dev, n), bb = float_buffer(dev, n), out = float_buffer(dev, n);
+    ba.copyin(bytes_of(a));
+    bb.copyin(bytes_of(b));
+    Signal gate = dev.alloc_signal(0);
+    {
+      // A kernel of its own (a fresh name: no other handle shares its code), dropped right after submit.
+      const std::string name = "add_dropped_" + std::to_string(fresh_seed() % 1000000);
+      auto program = std::dynamic_pointer_cast<cpu::CpuProgram>(
+          dev.load_kernel(name, kernels::add_f32(dev.source_language(), name)));
+      REQUIRE(program);
+      const Allocation args[] = {out.allocation(), ba.allocation(), bb.allocation()};
+      const std::int32_t values[] = {static_cast<std::int32_t>(n)};
+      Kernargs k = dev.alloc_kernargs(3, 1);
+      fill_kernargs(*program, k, args, values);
+      auto r = dev.reserve_timeline_value();
+      dev.compute_queue().wait(dev.timeline_signal(), r.value() - 1).wait(gate, 1).exec(*program, k, {1, 1, 1}, {1, 1, 1})
+          .signal(dev.timeline_signal(), r.value()).submit(dev);
+      r.submitted();
+      std::weak_ptr<cpu::CpuProgram> watch = program;
+      program.reset();
+      CHECK_FALSE(watch.expired());  // the queued exec holds it
+    }
+    std::this_thread::sleep_for(5ms);
+    gate.set(1);
+    dev.synchronize();
+    std::vector<float> back(n);
+    out.copyout(bytes_of(back));
+    CHECK(back == add_reference(a, b));
+    dev.free_signal(gate);
+  });
+}
+
+TEST_CASE("serving: a stream's copyout does not wait for another stream's work and events order streams",
+          "[serving]") {
+  for_each_backend(kCpuKernels, [](Compiled& compiled) {
+    auto& dev = as_cpu(compiled);
+    auto add = load_add(dev);
+    const std::size_t n = 64 + fresh_seed() % 200;
+    const auto a = random_floats(n, fresh_seed()), b = random_floats(n, fresh_seed()), c = random_floats(n, fresh_seed());
+    Buffer ba = float_buffer(dev, n), bb = float_buffer(dev, n), sum = float_buffer(dev, n), bc = float_buffer(dev, n);
+    ba.copyin(bytes_of(a));
+    bb.copyin(bytes_of(b));
+    REQUIRE(dev.capabilities().streams);
+    auto stream_a = dev.create_stream(), stream_b = dev.create_stream();
+    CHECK(stream_a->name() != stream_b->name());
+    // Stream A is held up by a gate nobody has opened yet.
+    Signal gate = dev.alloc_signal(0);
+    stream_a->wait(Event(gate, 1, nullptr));
+    const Buffer add_args[] = {sum, ba, bb};
+    const std::int32_t values[] = {static_cast<std::int32_t>(n)};
+    Event a_done = stream_a->launch(add, add_args, values);
+    CHECK_FALSE(a_done.query());
+    // Stream B moves on regardless: its copy in and out finish while A waits.
+    Event b_in = stream_b->copyin(bc, bytes_of(c));
+    std::vector<float> back_c(n);
+    Event b_out = stream_b->copyout(bytes_of(back_c), bc);
+    b_out.wait(2000ms);
+    CHECK(back_c == c);
+    // The device's default queue too: its copyout does not wait for stream A.
+    std::vector<float> back_a(n);
+    ba.copyout(bytes_of(back_a));
+    CHECK(back_a == a);
+    CHECK_FALSE(a_done.query());
+    // Stream B waits for A's event: its copyout of the sum holds until A ran.
+    stream_b->wait(a_done);
+    std::vector<float> back_sum(n);
+    Event b_sum = stream_b->copyout(bytes_of(back_sum), sum);
+    std::this_thread::sleep_for(10ms);
+    CHECK_FALSE(b_sum.query());
+    CHECK_THROWS_WITH(b_sum.wait(30ms), Catch::Contains(stream_b->name()));
+    gate.set(1);
+    b_sum.wait(5000ms);
+    CHECK(a_done.query());
+    CHECK(back_sum == add_reference(a, b));
+    // synchronize of the device covers its streams.
+    dev.synchronize();
+    CHECK(stream_a->record().query());
+    dev.free_signal(gate);
+  });
+}
+
+TEST_CASE("serving: graphs replay on a stream and a failed stream recovers without touching the device",
+          "[serving]") {
+  for_each_backend(kCpuKernels, [](Compiled& compiled) {
+    auto& dev = as_cpu(compiled);
+    auto add = load_add(dev);
+    const std::size_t n = 32 + fresh_seed() % 100;
+    auto stream = dev.create_stream(StreamOptions{.run_inline_when_idle = false});
+    Buffer x = float_buffer(dev, n), y = float_buffer(dev, n), t = float_buffer(dev, n), out = float_buffer(dev, n);
+    // out = (x + y) + y, as a graph on the stream.
+    std::vector<GraphNode> nodes;
+    const GraphValue nv = GraphValue::of(static_cast<std::int32_t>(n));
+    nodes.push_back(GraphKernel{add, {GraphBuffer::of(t.allocation()), GraphBuffer::in(0), GraphBuffer::in(1)}, {nv}});
+    nodes.push_back(GraphKernel{add, {GraphBuffer::in(2), GraphBuffer::of(t.allocation()), GraphBuffer::in(1)}, {nv}});
+    auto graph = stream->create_graph(nodes);
+    for (int round = 0; round < 3; ++round) {
+      const auto vx = random_floats(n, fresh_seed()), vy = random_floats(n, fresh_seed());
+      stream->copyin(x, bytes_of(vx));
+      stream->copyin(y, bytes_of(vy));
+      const Buffer inputs[] = {x, y, out};
+      stream->replay(*graph, inputs);
+      std::vector<float> back(n);
+      stream->copyout(bytes_of(back), out).wait(5000ms);
+      CHECK(back == add_reference(add_reference(vx, vy), vy));
+    }
+    // A graph of the device is not the stream's.
+    auto device_graph = dev.create_graph(nodes);
+    const Buffer inputs[] = {x, y, out};
+    CHECK_THROWS_AS(stream->replay(*device_graph, inputs), InvalidArgument);
+    // The stream's work fails: the stream is faulted, the device is not.
+    Signal gate = dev.alloc_signal(0);
+    stream->wait(Event(gate, 1, nullptr));
+    Event failed = stream->launch(add, std::vector<Buffer>{out, x, y}, std::vector<std::int32_t>{static_cast<std::int32_t>(n)});
+    gate.poison("stream failure " + std::to_string(n));
+    CHECK_THROWS_AS(failed.wait(5000ms), DeviceFault);
+    CHECK_THROWS_AS(stream->synchronize(), Error);
+    CHECK_THAT(stream->fault(), Catch::Contains("stream failure"));
+    CHECK_THROWS_AS(stream->copyin(x, bytes_of(random_floats(n, 1))), DeviceFault);
+    CHECK(dev.fault().empty());
+    CHECK_NOTHROW(dev.synchronize());
+    CHECK_THAT(stream->recover(), Catch::Contains("stream failure"));
+    const auto vx = random_floats(n, fresh_seed()), vy = random_floats(n, fresh_seed());
+    stream->copyin(x, bytes_of(vx));
+    stream->copyin(y, bytes_of(vy));
+    stream->replay(*graph, inputs);
+    std::vector<float> back(n);
+    stream->copyout(bytes_of(back), out).wait(5000ms);
+    CHECK(back == add_reference(add_reference(vx, vy), vy));
+    dev.free_signal(gate);
+  });
+}
+
+TEST_CASE("serving: 4 clients with a stream each make 1000 requests each and every result is right", "[serving]") {
+  for_each_backend(kCpuKernels, [](Compiled& compiled) {
+    auto& dev = as_cpu(compiled);
+    auto add = load_add(dev);
+    constexpr int kClients = 4, kRequests = 1000;
+    std::atomic<int> wrong{0}, errors{0};
+    std::vector<std::thread> clients;
+    const std::uint64_t seed = fresh_seed();
+    for (int c = 0; c < kClients; ++c) {
+      clients.emplace_back([&, c] {
+        try {
+          // Half the clients run inline on an idle stream, half always through the stream's workers.
+          auto stream = dev.create_stream(StreamOptions{.run_inline_when_idle = c % 2 == 0});
+          const std::size_t n = 64;
+          Buffer a = float_buffer(dev, n), b = float_buffer(dev, n), t = float_buffer(dev, n), out = float_buffer(dev, n);
+          const Buffer first[] = {t, a, b}, second[] = {out, t, b};
+          const std::vector<std::int32_t> values = {static_cast<std::int32_t>(n)};
+          for (int r = 0; r < kRequests; ++r) {
+            const auto va = random_floats(n, seed + c * 100000 + r), vb = random_floats(n, seed + c * 100000 + r + 7);
+            stream->copyin(a, bytes_of(va));
+            stream->copyin(b, bytes_of(vb));
+            stream->launch(add, first, values);
+            stream->launch(add, second, values);
+            std::vector<float> back(n);
+            stream->copyout(bytes_of(back), out).wait(10000ms);
+            if (back != add_reference(add_reference(va, vb), vb)) wrong += 1;
+          }
+        } catch (const std::exception& e) {
+          UNSCOPED_INFO("client " << c << ": " << e.what());
+          errors += 1;
+        }
+      });
+    }
+    for (std::thread& t : clients) t.join();
+    CHECK(errors == 0);
+    CHECK(wrong == 0);
+  });
+}
+
+TEST_CASE("serving: a device opened before fork is a ForkedDevice error in the child and the parent goes on",
+          "[serving]") {
+  for_each_backend(kCpuKernels, [](Compiled& compiled) {
+    auto& dev = as_cpu(compiled);
+    auto add = load_add(dev);
+    const std::size_t n = 128;
+    const auto a = random_floats(n, fresh_seed()), b = random_floats(n, fresh_seed());
+    Buffer ba = float_buffer(dev, n), bb = float_buffer(dev, n), out = float_buffer(dev, n);
+    ba.copyin(bytes_of(a));
+    bb.copyin(bytes_of(b));
+    const Allocation args[] = {out.allocation(), ba.allocation(), bb.allocation()};
+    const std::int32_t values[] = {static_cast<std::int32_t>(n)};
+    // Another thread keeps submitting while we fork.
+    std::atomic<bool> stop{false};
+    std::atomic<int> submitted{0};
+    std::thread submitter([&] {
+      while (!stop.load()) {
+        Kernargs k = dev.alloc_kernargs(3, 1);
+        fill_kernargs(dynamic_cast<const cpu::CpuProgram&>(*add), k, args, values);
+        auto r = dev.reserve_timeline_value();
+        dev.compute_queue().wait(dev.timeline_signal(), r.value() - 1)
+            .exec(dynamic_cast<const cpu::CpuProgram&>(*add), k, {1, 1, 1}, {1, 1, 1})
+            .signal(dev.timeline_signal(), r.value()).submit(dev);
+        r.submitted();
+        submitted += 1;
+      }
+    });
+    while (submitted.load() < 10) std::this_thread::yield();
+    for (int round = 0; round < 3; ++round) {
+      const pid_t pid = fork();
+      REQUIRE(pid >= 0);
+      if (pid == 0) {
+        // The child: every use is a ForkedDevice naming the fork; nothing hangs, nothing is silent.
+        int failures = 0;
+        auto expect_forked = [&](auto&& call) {
+          try {
+            call();
+            failures += 1;
+          } catch (const ForkedDevice& e) {
+            const std::string what = e.what();
+            if (what.find("fork") == std::string::npos || what.find(dev.name()) == std::string::npos)
+              failures += 1;
+          } catch (...) {
+            failures += 1;
+          }
+        };
+        const auto fresh = random_floats(n, 3);
+        expect_forked([&] { ba.copyin(std::as_bytes(std::span(fresh))); });
+        std::vector<float> back(n);
+        expect_forked([&] { ba.copyout(std::as_writable_bytes(std::span(back))); });
+        expect_forked([&] { (*add)(args, values); });
+        expect_forked([&] { dev.synchronize(); });
+        expect_forked([&] { dev.create_stream(); });
+        expect_forked([&] { dev.compute_queue().signal(dev.timeline_signal(), 1).submit(dev); });
+        _exit(failures == 0 ? 0 : 10 + failures);
+      }
+      int status = 0;
+      REQUIRE(waitpid(pid, &status, 0) == pid);
+      CHECK(WIFEXITED(status));
+      CHECK(WEXITSTATUS(status) == 0);
+    }
+    stop = true;
+    submitter.join();
+    // The parent is unaffected.
+    dev.synchronize();
+    std::vector<float> back(n);
+    (*add)(args, values);
+    out.copyout(bytes_of(back));
+    CHECK(back == add_reference(a, b));
+  });
+}
+
+TEST_CASE("serving: a timeout names the kernel a queue is running and for how long", "[serving]") {
+  for_each_backend(kCpuKernels, [](Compiled& compiled) {
+    auto& dev = as_cpu(compiled);
+    // Spins until its flag is set: a kernel that, as far as the host can tell, hangs.
+    const KernelSource spin{
+        "define void @spin_until(ptr %flag) {\nentry:\n  br label %loop\nloop:\n"
+        "  %v = load volatile i32, ptr %flag\n  %z = icmp eq i32 %v, 0\n  br i1 %z, label %loop, label %done\n"
+        "done:\n  ret void\n}\n",
+        "void spin_until(volatile int* flag) { while (flag[0] == 0) {} }\n"};
+    auto program = std::dynamic_pointer_cast<cpu::CpuProgram>(dev.load_kernel("spin_until", spin.for_device(dev)));
+    REQUIRE(program);
+    Buffer flag = int_counter(dev);
+    const Allocation args[] = {flag.allocation()};
+    Kernargs k = dev.alloc_kernargs(1, 0);
+    fill_kernargs(*program, k, args, {});
+    std::uint64_t v;
+    {
+      auto r = dev.reserve_timeline_value();
+      v = r.value();
+      dev.compute_queue().wait(dev.timeline_signal(), v - 1).exec(*program, k, {1, 1, 1}, {1, 1, 1})
+          .signal(dev.timeline_signal(), v).submit(dev);
+      r.submitted();
+    }
+    CHECK_THROWS_WITH(dev.wait_timeline(v, 100ms),
+                      Catch::Contains("running kernel 'spin_until'") && Catch::Contains(" ms"));
+    // Let it go (the flag is host memory the kernel polls).
+    flag.allocation().host_ptr<std::atomic<std::int32_t>>()->store(1);
+    dev.wait_timeline(v, 5000ms);
+  });
+}
