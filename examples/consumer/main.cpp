@@ -55,15 +55,17 @@ int main() {
   auto& program = dynamic_cast<cpu::CpuProgram&>(*add);
   const Allocation again[] = {bo.allocation(), bo.allocation(), bb.allocation()};
   {
-    std::lock_guard lock(hcq.submit_mutex());  // kernargs and the timeline value in one section
+    // The next timeline value, held until submitted (a throw completes it: the device goes on);
+    // kernargs are allocated in the same locked section.
+    auto reservation = hcq.reserve_timeline_value();
     Kernargs kernargs = hcq.alloc_kernargs(3, 1);
     fill_kernargs(program, kernargs, again, vals);
-    const std::uint64_t value = hcq.next_timeline_value();
     hcq.compute_queue()
-        .wait(hcq.timeline_signal(), value - 1)
+        .wait(hcq.timeline_signal(), reservation.value() - 1)
         .exec(program, kernargs, {1, 1, 1}, {1, 1, 1})
-        .signal(hcq.timeline_signal(), value)
+        .signal(hcq.timeline_signal(), reservation.value())
         .submit(hcq);
+    reservation.submitted();
   }
   hcq.synchronize();
   bo.copyout(std::span<float>(out));

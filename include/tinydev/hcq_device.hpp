@@ -208,8 +208,11 @@ class HCQCompiled : public Compiled {
     if (detail::fork_generation() != fork_generation_) [[unlikely]]
       detail::throw_forked_device(name());
     if (timeline_slot_.load(std::memory_order_relaxed)->poisoned.load(std::memory_order_acquire)) [[unlikely]]
-      throw DeviceFault(fmt::format("{} cannot take more work: {}. Call recover() on it to go on (docs/serving.md)",
-                                    name(), fault()));
+      throw_fault();
+  }
+  [[noreturn]] void throw_fault() const {
+    throw DeviceFault(fmt::format("{} cannot take more work: {}. Call recover() on it to go on (docs/serving.md)",
+                                  name(), fault()));
   }
   std::string fault() const override {
     const SignalSlot* slot = timeline_slot_.load(std::memory_order_acquire);
@@ -281,10 +284,16 @@ class HCQCompiled : public Compiled {
   }
 
   void synchronize() override {
-    if (detail::fork_generation() != fork_generation_) [[unlikely]]
-      detail::throw_forked_device(name());
+    check_usable();
     std::lock_guard lock(submit_mutex_);
-    wait_timeline_reached(last_submitted_value());
+    try {
+      wait_timeline_reached(last_submitted_value());
+    } catch (const Timeout&) {
+      throw;
+    } catch (const Error&) {
+      if (!fault().empty()) throw_fault();  // the work failed while we waited
+      throw;
+    }
     if (wraps_timeline_ && timeline_value() > kTimelineWrap) wrap_timeline();
     reclaim_signals();
     process_profile_records();

@@ -85,14 +85,14 @@ CpuThreadPool& CpuThreadPool::global() {
   }();
   // Note [Devices and fork]: a forked child has none of the pool's threads, and its mutex may have
   // been copied held. The child gets a pool of its own (the old one is leaked, never touched).
-  static std::uint64_t generation = detail::watch_forks();
+  static std::atomic<std::uint64_t> generation{detail::watch_forks()};
   static std::mutex refork_mutex;
-  if (detail::fork_generation() != generation) [[unlikely]] {
+  if (detail::fork_generation() != generation.load(std::memory_order_acquire)) [[unlikely]] {
     std::lock_guard lock(refork_mutex);
-    if (detail::fork_generation() != generation) {
+    if (detail::fork_generation() != generation.load(std::memory_order_relaxed)) {
       pool->impl_ = new Impl;
       pool->start_threads();
-      generation = detail::fork_generation();
+      generation.store(detail::fork_generation(), std::memory_order_release);
     }
   }
   return *pool;

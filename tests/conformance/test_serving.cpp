@@ -90,7 +90,7 @@ TEST_CASE("serving: after a queue failure every call throws DeviceFault naming i
       r.submitted();
     }
     gate.poison(cause);
-    CHECK_THROWS_AS(dev.synchronize(), Error);
+    CHECK_THROWS_AS(dev.synchronize(), DeviceFault);
     REQUIRE_THAT(dev.fault(), Catch::Contains(cause));
     // Every later call says so, naming the first failure; none reports success without its work.
     const auto fresh = random_floats(n, fresh_seed());
@@ -237,7 +237,7 @@ TEST_CASE("serving: graphs replay on a stream and a failed stream recovers witho
     Event failed = stream->launch(add, std::vector<Buffer>{out, x, y}, std::vector<std::int32_t>{static_cast<std::int32_t>(n)});
     gate.poison("stream failure " + std::to_string(n));
     CHECK_THROWS_AS(failed.wait(5000ms), DeviceFault);
-    CHECK_THROWS_AS(stream->synchronize(), Error);
+    CHECK_THROWS_AS(stream->synchronize(), DeviceFault);
     CHECK_THAT(stream->fault(), Catch::Contains("stream failure"));
     CHECK_THROWS_AS(stream->copyin(x, bytes_of(random_floats(n, 1))), DeviceFault);
     CHECK(dev.fault().empty());
