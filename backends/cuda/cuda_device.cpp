@@ -350,6 +350,14 @@ void CudaHCQDevice::fail(const std::string& reason) const {
   timeline_signal().slot().poison(reason);
 }
 
+std::string CudaHCQDevice::recover(std::chrono::milliseconds timeout) {
+  if (context_failed_.load(std::memory_order_acquire))
+    throw DeviceFault(fmt::format("{} cannot recover: {}. A sticky CUDA error leaves the context unusable and the "
+                                  "driver cannot clear it without destroying the context; restart the process",
+                                  name(), fault()));
+  return HCQCompiled::recover(timeout);
+}
+
 void CudaHCQDevice::throw_if_failed() const {
   const SignalSlot& slot = timeline_signal().slot();
   if (slot.poisoned.load(std::memory_order_acquire))
@@ -362,8 +370,10 @@ void CudaHCQDevice::check_health() const {
   if (state_->api.cuCtxSetCurrent(state_->context) != CUDA_SUCCESS) return;
   for (CUstream stream : {state_->compute, state_->copy}) {
     const CUresult r = state_->api.cuStreamQuery(stream);
-    if (r != CUDA_SUCCESS && r != CUDA_ERROR_NOT_READY)
+    if (r != CUDA_SUCCESS && r != CUDA_ERROR_NOT_READY) {
+      context_failed_.store(true, std::memory_order_release);  // an asynchronous error is sticky
       fail(fmt::format("{}: the GPU reported an error while running queued work: {}", name(), describe(r)));
+    }
   }
 }
 
@@ -386,7 +396,10 @@ void CudaHCQDevice::submit_commands(CudaLane lane, std::span<const CudaCommand> 
       return;
     const std::string reason = fmt::format("{}: {} failed (command {} of a {} queue): {}", name(), what, from,
                                            lane == CudaLane::compute ? "compute" : "copy", describe(r));
-    if (sticky(r)) fail(reason);
+    if (sticky(r)) {
+      context_failed_.store(true, std::memory_order_release);
+      fail(reason);
+    }
     // Note [CUDA failures]: what this queue would still have signalled never comes.
     for (std::size_t j = from; j < commands.size(); ++j)
       if (commands[j].kind == CommandKind::signal) commands[j].slot->poison(reason);
@@ -526,6 +539,7 @@ void CudaHCQDevice::drop_span(std::optional<ProfileRecord>& span) {
 
 std::optional<double> CudaHCQDevice::run_ordered(StreamWork work, std::string_view what,
                                                  bool timed, std::string_view profile_name) {
+  check_usable();  // a forked child (Note [Devices and fork]) or a faulted device: an error, not a launch
   std::lock_guard lock(submit_mutex());
   throw_if_failed();
   const DeviceState& s = *state_;
@@ -555,7 +569,10 @@ std::optional<double> CudaHCQDevice::run_ordered(StreamWork work, std::string_vi
     if (timed) check(s.api.cuEventRecord(s.start, s.compute), "cuEventRecord", name());
     if (const auto r = static_cast<CUresult>(work(s.compute)); r != CUDA_SUCCESS) [[unlikely]] {
       const std::string reason = fmt::format("{}: {} failed: {}", name(), what, describe(r));
-      if (sticky(r)) fail(reason);
+      if (sticky(r)) {
+        context_failed_.store(true, std::memory_order_release);
+        fail(reason);
+      }
       drop_span(span);
       throw Error(reason);
     }

@@ -202,6 +202,10 @@ class CudaHCQDevice final : public HCQCompiled<CudaComputeQueue, CudaCopyQueue> 
 
  private:
   void fail(const std::string& reason) const;
+  // Note [CUDA recovery]: after a sticky driver error the context is unusable and the driver
+  // offers no way back short of destroying it: recover() refuses then; other faults (a poisoned
+  // signal this device waited for) recover as on the CPU.
+  std::string recover(std::chrono::milliseconds timeout = std::chrono::seconds(30)) override;
   int launch_timestamp(SignalSlot* slot, void* stream);  // the CUresult of the timestamp kernel's launch
   // Profiling spans around stream work (each returns a CUresult; see cuda_device.cpp).
   int begin_span(std::optional<ProfileRecord>& span, std::string_view name, void* stream);
@@ -216,6 +220,7 @@ class CudaHCQDevice final : public HCQCompiled<CudaComputeQueue, CudaCopyQueue> 
   std::array<std::uint64_t, 4> lazy_marks_{};  // the last lazy signals' values (0: none)
   std::size_t lazy_mark_next_ = 0;
   std::int64_t clock_offset_ns_ = 0;    // host ns - %globaltimer ns, measured at open
+  mutable std::atomic<bool> context_failed_{false};  // a sticky driver error happened (Note [CUDA recovery])
 };
 
 }  // namespace tinydev::cuda
