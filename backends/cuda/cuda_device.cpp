@@ -350,6 +350,13 @@ void CudaHCQDevice::fail(const std::string& reason) const {
   timeline_signal().slot().poison(reason);
 }
 
+std::string CudaHCQDevice::recovery_hint() const {
+  if (context_failed_.load(std::memory_order_acquire))
+    return "The CUDA context failed earlier and cannot be used until the process restarts (a sticky driver error; "
+           "Note [CUDA recovery])";
+  return HCQCompiled::recovery_hint();
+}
+
 std::string CudaHCQDevice::recover(std::chrono::milliseconds timeout) {
   if (context_failed_.load(std::memory_order_acquire))
     throw DeviceFault(fmt::format("{} cannot recover: {}. A sticky CUDA error leaves the context unusable and the "

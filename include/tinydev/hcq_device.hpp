@@ -211,9 +211,10 @@ class HCQCompiled : public Compiled {
       throw_fault();
   }
   [[noreturn]] void throw_fault() const {
-    throw DeviceFault(fmt::format("{} cannot take more work: {}. Call recover() on it to go on (docs/serving.md)",
-                                  name(), fault()));
+    throw DeviceFault(fmt::format("{} cannot take more work: {}. {}", name(), fault(), recovery_hint()));
   }
+  // What a faulted device's errors tell the caller to do.
+  virtual std::string recovery_hint() const { return "Call recover() on it to go on (docs/serving.md)"; }
   std::string fault() const override {
     const SignalSlot* slot = timeline_slot_.load(std::memory_order_acquire);
     if (!slot->poisoned.load(std::memory_order_acquire)) return {};
