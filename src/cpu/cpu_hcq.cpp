@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
@@ -87,11 +88,9 @@ void CpuComputeQueue::_exec(const CpuProgram& program, const Kernargs& kernargs,
     throw InvalidArgument(fmt::format("exec of '{}': the kernargs have no memory; allocate them with the "
                                       "device's alloc_kernargs()",
                                       program.name()));
-  // The command holds the program: dropping the last Program handle while the exec is queued
-  // must not unload the code under it.
   mutable_commands().push_back(CpuCommand{.kind = CommandKind::exec, .program = &program, .kernargs = kernargs.ptr,
                                           .num_buffers = kernargs.num_buffers, .num_values = kernargs.num_values,
-                                          .global = global, .local = local, .keep = program.weak_from_this().lock()});
+                                          .global = global, .local = local});
 }
 
 void CpuComputeQueue::_update_exec(std::size_t cmd, Dim3 global, Dim3 local) {
@@ -167,20 +166,26 @@ void CpuQueueWorker::run() {
       if (pending_.empty() && stop_) return;
       next = std::move(pending_.front());
       pending_.pop_front();
-      current_ = next;
     }
     taken += 1;
     execute_commands(*next, 0, device_, lane_, /*blocking=*/true, &blocked_);
-    {
-      std::lock_guard lock(mutex_);
-      current_.reset();
-    }
+    // BlockedOn: running_name was cleared; a reader that read it before is seen here.
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    while (blocked_.readers.load(std::memory_order_relaxed) != 0) detail::cpu_relax();
     next.reset();  // the snapshot's release happens before the queue sees it unshared
     finished_.fetch_add(1, std::memory_order_release);
   }
 }
 
 namespace {
+// The time a kernel started, for "running kernel 'k' for N ms": the coarse clock (a few ms of
+// resolution) costs a few ns per exec where the precise one costs 20-25.
+std::int64_t coarse_now_ns() noexcept {
+  timespec ts{};
+  ::clock_gettime(CLOCK_MONOTONIC_COARSE, &ts);
+  return static_cast<std::int64_t>(ts.tv_sec) * 1'000'000'000 + ts.tv_nsec;
+}
+
 // Note [Queue failure]: commands from `from` on will not run; every signal they would set is
 // poisoned, so whoever waits for that work gets `reason` instead of a hang.
 void poison_signals_from(const std::vector<CpuCommand>& commands, std::size_t from, const std::string& reason) {
@@ -236,17 +241,18 @@ std::size_t execute_commands(const std::vector<CpuCommand>& commands, std::size_
             std::memcpy(&value, c.kernargs + 8 * c.num_buffers + 4 * v, 4);
             args[c.num_buffers + v] = value;
           }
-          const std::uint64_t start = profiling || blocked ? Profiler::now_ns() : 0;
+          const std::uint64_t start = profiling ? Profiler::now_ns() : 0;
           if (blocked) {
-            blocked->running_since_ns.store(static_cast<std::int64_t>(start), std::memory_order_relaxed);
-            blocked->running_command.store(static_cast<std::int64_t>(i), std::memory_order_release);
+            blocked->running_since_ns.store(coarse_now_ns(), std::memory_order_relaxed);
+            blocked->running_command.store(static_cast<std::int64_t>(i), std::memory_order_relaxed);
+            blocked->running_name.store(&c.program->name(), std::memory_order_release);
           }
           running.kernel = c.program->name().c_str();
           {
             RunningKernelScope scope(&running);
             c.program->launch(args, c.num_buffers + c.num_values, c.global);
           }
-          if (blocked) blocked->running_command.store(-1, std::memory_order_release);
+          if (blocked) blocked->running_name.store(nullptr, std::memory_order_release);
           const std::int64_t launched = GlobalCounters::kernel_count.fetch_add(1, std::memory_order_relaxed) + 1;
           debug_log(2, "*** {:<7} {:>6} {:<40} arg {:>3} (queued)", device, launched, c.program->name(),
                     c.num_buffers + c.num_values);
@@ -263,7 +269,7 @@ std::size_t execute_commands(const std::vector<CpuCommand>& commands, std::size_
     // set is poisoned, so whoever waits for this work gets the reason instead of a hang. A wait
     // on a failed signal passes the first failure on, leading, so chains of waits keep the root.
     const CpuCommand& c = commands[i];
-    if (blocked) blocked->running_command.store(-1, std::memory_order_release);
+    if (blocked) blocked->running_name.store(nullptr, std::memory_order_release);
     if (c.kind == CommandKind::wait && c.signal->poisoned.load(std::memory_order_acquire))
       poison_signals_from(commands, i,
                           fmt::format("{} (so {} {} queue command {}, a wait for it, failed)", c.signal->poison_text(),
@@ -277,17 +283,23 @@ std::size_t execute_commands(const std::vector<CpuCommand>& commands, std::size_
 }
 
 std::string CpuQueueWorker::describe_blocked() const {
+  const std::int64_t coarse_now = coarse_now_ns();
   const auto now = static_cast<std::int64_t>(Profiler::now_ns());
   {
-    // The current submission, held under the lock, keeps the running program alive while we read it.
-    std::lock_guard lock(mutex_);
-    const std::int64_t running = blocked_.running_command.load(std::memory_order_acquire);
-    if (current_ && running >= 0 && static_cast<std::size_t>(running) < current_->size() &&
-        (*current_)[running].kind == CommandKind::exec) {
-      const std::int64_t for_ms = (now - blocked_.running_since_ns.load(std::memory_order_relaxed)) / 1'000'000;
-      return fmt::format("its {} queue has been running kernel '{}' (command {} of a submission) for {} ms", lane_,
-                         (*current_)[running].program->name(), running, for_ms);
+    // Announced as a reader, the running program's name stays alive while we copy it (BlockedOn).
+    auto& b = const_cast<BlockedOn&>(blocked_);
+    b.readers.fetch_add(1, std::memory_order_seq_cst);
+    std::string kernel;
+    std::int64_t command = -1, since = 0;
+    if (const std::string* name = b.running_name.load(std::memory_order_seq_cst)) {
+      kernel = *name;
+      command = b.running_command.load(std::memory_order_relaxed);
+      since = b.running_since_ns.load(std::memory_order_relaxed);
     }
+    b.readers.fetch_sub(1, std::memory_order_seq_cst);
+    if (command >= 0)
+      return fmt::format("its {} queue has been running kernel '{}' (command {} of a submission) for {} ms", lane_,
+                         kernel, command, (coarse_now - since) / 1'000'000);
   }
   SignalSlot* slot = blocked_.signal.load(std::memory_order_acquire);
   if (!slot) return {};
@@ -356,6 +368,57 @@ std::string describe_slot(const SignalSlot* slot) {
   return "a signal";
 }
 
+// Note [Program retirement]
+// A queued exec refers to its program by a plain pointer (a reference count touched per exec would
+// bounce one cache line between the submitting thread and the worker on every launch). Instead the
+// programs the CPU runtimes hand out (make_cpu_program) are not deleted when their last handle
+// goes: they are retired, with how many submissions every live CPU device's compute worker had
+// taken at that moment, and deleted once each of those workers has finished that many. Any exec
+// that could still launch the program was submitted before, so it has run by then. Retired
+// programs are looked at again when another program retires and on every synchronize.
+namespace {
+struct RetiredPrograms {
+  std::mutex mutex;
+  std::vector<std::pair<const CpuProgram*, std::vector<std::pair<const CpuQueueWorker*, std::uint64_t>>>> programs;
+};
+RetiredPrograms& retired_programs() {
+  static auto* retired = new RetiredPrograms;  // never destroyed: programs may retire during exit
+  return *retired;
+}
+// Deletes the retired programs no worker can still run (caller holds retired.mutex).
+void reclaim_programs(RetiredPrograms& retired) {
+  std::erase_if(retired.programs, [](const auto& entry) {
+    for (const auto& [worker, count] : entry.second)
+      if (worker->finished() < count) return false;
+    delete entry.first;
+    return true;
+  });
+}
+}  // namespace
+
+std::shared_ptr<CpuProgram> make_cpu_program(std::string name, std::string device, std::shared_ptr<void> code,
+                                             void* fn, std::optional<KernelSignature> signature,
+                                             CallOrdering* ordering) {
+  return std::shared_ptr<CpuProgram>(
+      new CpuProgram(std::move(name), std::move(device), std::move(code), fn, signature, ordering),
+      [](CpuProgram* program) {
+        std::vector<std::pair<const CpuQueueWorker*, std::uint64_t>> marks;
+        {
+          LiveDevices& live = live_devices();
+          std::lock_guard lock(live.mutex);
+          for (const CpuHCQDevice* device : live.devices) {
+            const CpuQueueWorker& worker = const_cast<CpuHCQDevice*>(device)->compute_worker();
+            if (worker.finished() < worker.submitted()) marks.emplace_back(&worker, worker.submitted());
+          }
+        }
+        RetiredPrograms& retired = retired_programs();
+        std::lock_guard lock(retired.mutex);
+        if (marks.empty()) delete program;  // nothing queued anywhere: nothing can run it
+        else retired.programs.emplace_back(program, std::move(marks));
+        reclaim_programs(retired);
+      });
+}
+
 std::vector<CpuHCQDevice::TimelineMark> CpuHCQDevice::signal_users_now() const {
   std::vector<TimelineMark> marks;
   LiveDevices& live = live_devices();
@@ -419,6 +482,11 @@ void CpuHCQDevice::before_direct_call() {
 
 void CpuHCQDevice::synchronize() {
   HCQCompiled::synchronize();
+  {
+    RetiredPrograms& retired = retired_programs();
+    std::lock_guard lock(retired.mutex);
+    if (!retired.programs.empty()) reclaim_programs(retired);
+  }
   std::vector<CpuHCQDevice*> lanes;
   {
     std::lock_guard lock(lanes_mutex_);

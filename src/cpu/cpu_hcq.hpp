@@ -7,8 +7,9 @@
 // memory. All CPU devices share one signal pool (host memory every CPU queue reaches), so one CPU
 // device's queue can wait on another's signals.
 //
-// Ownership: a recorded exec holds its program (and so its loaded code) until the queue's last
-// snapshot is gone, so a Program dropped while its exec is queued stays alive until the exec ran.
+// Ownership: a Program dropped while an exec of it is queued stays alive until the exec ran (Note
+// [Program retirement]: programs are kept until every CPU queue worker finished what was
+// submitted before their last handle went).
 // Kernel arguments must stay alive until the work finished (a device's alloc_kernargs pages do; a
 // graph keeps its own). Devices, and the lanes their streams run on, live as long as the process.
 // Thread safety: as HCQCompiled; the workers are internal.
@@ -43,8 +44,8 @@ struct CpuCommand {
   std::byte* dest = nullptr;  // copy
   const std::byte* src = nullptr;
   std::uint64_t size = 0;
-  std::shared_ptr<const Program> keep = nullptr;  // exec: the program, alive while the command is
 };
+
 
 // The signal primitives both CPU queues share.
 struct CpuSignalPrimitives {
@@ -116,8 +117,10 @@ std::size_t execute_commands(const std::vector<CpuCommand>& commands, std::size_
 
 // What a worker is doing while a `wait` command blocks it or a kernel runs (for timeout
 // messages). Written by the worker, read by any thread; slots never move, so reading through
-// `signal` is safe, and the worker's current submission (which holds the running program) is
-// read under its lock.
+// `signal` is safe. The running kernel's name belongs to a program the worker's submission holds:
+// a reader announces itself in `readers` before reading it, and the worker, having cleared
+// `running_name`, issues a seq_cst fence and waits for readers to leave before it lets the
+// submission go: either the reader sees nullptr, or the worker sees the reader.
 struct BlockedOn {
   std::atomic<SignalSlot*> signal{nullptr};  // nullptr: not blocked on a wait
   std::atomic<std::uint64_t> value{0};
@@ -125,6 +128,8 @@ struct BlockedOn {
   std::atomic<std::int64_t> since_ns{0};
   std::atomic<std::int64_t> running_command{-1};  // the exec running now, -1: none
   std::atomic<std::int64_t> running_since_ns{0};
+  std::atomic<const std::string*> running_name{nullptr};
+  std::atomic<int> readers{0};
 };
 
 // Executes submitted command lists in order on one thread, started at the first submission.
@@ -138,6 +143,9 @@ class CpuQueueWorker {
   // submission) for 1200 ms", or "" when it is neither waiting nor running a kernel.
   std::string describe_blocked() const;
   // Whether everything submitted has finished running (nothing queued, nothing running).
+  // Submissions taken so far and submissions run to their end (Note [Program retirement]).
+  std::uint64_t submitted() const noexcept { return submitted_.load(std::memory_order_acquire); }
+  std::uint64_t finished() const noexcept { return finished_.load(std::memory_order_acquire); }
   bool idle() const noexcept {
     // submitted_ first: finished_ never passes it, so equal means all those submissions finished.
     const std::uint64_t submitted = submitted_.load(std::memory_order_seq_cst);
@@ -150,7 +158,6 @@ class CpuQueueWorker {
   mutable std::mutex mutex_;
   std::condition_variable wake_;
   std::deque<std::shared_ptr<const std::vector<CpuCommand>>> pending_;
-  std::shared_ptr<const std::vector<CpuCommand>> current_;  // the submission running now (under mutex_)
   std::atomic<std::uint64_t> submitted_{0};
   std::atomic<std::uint64_t> finished_{0};
   BlockedOn blocked_;

@@ -33,7 +33,7 @@ class CallOrdering {
 
 // A loaded CPU kernel. Direct calls (operator()) run on the caller's thread once the device's
 // queued work finished; queues launch it on their workers through launch().
-class CpuProgram final : public Program, public std::enable_shared_from_this<CpuProgram> {
+class CpuProgram final : public Program {
  public:
   CpuProgram(std::string name, std::string device, std::shared_ptr<void> code, void* fn,
              std::optional<KernelSignature> signature, CallOrdering* ordering);
@@ -58,5 +58,11 @@ class CpuProgram final : public Program, public std::enable_shared_from_this<Cpu
   std::optional<KernelSignature> signature_;
   CallOrdering* ordering_;
 };
+
+// A CpuProgram whose last handle retires it rather than deleting it at once, so execs queued
+// before still find it (Note [Program retirement] in cpu_hcq.cpp). What the CPU runtimes use.
+std::shared_ptr<CpuProgram> make_cpu_program(std::string name, std::string device, std::shared_ptr<void> code,
+                                             void* fn, std::optional<KernelSignature> signature,
+                                             CallOrdering* ordering);
 
 }  // namespace tinydev::cpu

@@ -27,7 +27,8 @@ namespace tinydev::cpu {
 
 namespace {
 
-thread_local RunningKernel* tls_running = nullptr;
+// initial-exec: a plain %fs-relative access on every kernel launch, no __tls_get_addr call.
+__attribute__((tls_model("initial-exec"))) thread_local RunningKernel* tls_running = nullptr;
 
 constexpr int kSignals[] = {SIGSEGV, SIGBUS, SIGFPE, SIGILL};
 struct sigaction previous_actions[NSIG];

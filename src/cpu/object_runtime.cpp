@@ -93,7 +93,7 @@ std::shared_ptr<Program> ObjectRuntime::load(std::string_view kernel_name, std::
                                       fast.error));
   if (fast.object) {
     void* fn = fast.object->entry;
-    return std::make_shared<CpuProgram>(std::string(kernel_name), device_,
+    return make_cpu_program(std::string(kernel_name), device_,
                                         std::shared_ptr<void>(std::move(fast.object)), fn,
                                         unwrapped.signature_of(kernel_name), ordering_);
   }
@@ -134,7 +134,7 @@ std::shared_ptr<Program> ObjectRuntime::link(std::string_view kernel_name, const
     throw InvalidArgument(fmt::format("{}: could not load kernel '{}': {}", device_, quote_for_message(kernel_name),
                                       e.what()));
   }
-  return std::make_shared<CpuProgram>(std::string(kernel_name), device_, std::move(linked.owner), linked.function,
+  return make_cpu_program(std::string(kernel_name), device_, std::move(linked.owner), linked.function,
                                       unwrapped.signature_of(kernel_name), ordering_);
 }
 
