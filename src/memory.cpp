@@ -170,6 +170,7 @@ std::optional<std::span<std::byte>> Allocator::as_buffer(Allocation) { return st
 struct LRUAllocator::Entry {
   Allocation allocation;
   Key key{};
+  std::uint64_t reuse_after = 0;  // Note [Cache reuse after queued work]
   Bucket* bucket = nullptr;
   Entry* key_newer = nullptr;
   Entry* key_older = nullptr;
@@ -249,8 +250,13 @@ Allocation LRUAllocator::alloc(std::size_t size, const BufferOptions& options) {
   {
     std::lock_guard lock(mutex_);
     auto it = buckets_.find(Key{size, options.bits()});
-    if (it != buckets_.end() && it->second.newest) {
-      Entry* e = it->second.newest;
+    Entry* e = it != buckets_.end() ? it->second.newest : nullptr;
+    // Note [Cache reuse after queued work]: the newest entry, or one of a few older ones, whose
+    // queued writers are done.
+    for (int looked = 0; e && e->reuse_after && !queued_work_done(e->reuse_after) && looked < 4; ++looked)
+      e = e->key_older;
+    if (e && e->reuse_after && !queued_work_done(e->reuse_after)) e = nullptr;
+    if (e) {
       Allocation a = e->allocation;
       live_.insert(a, size, options.bits());  // may throw bad_alloc (growing): then nothing changed
       unlink(e);
@@ -318,6 +324,7 @@ void LRUAllocator::free(Allocation allocation, std::size_t size, const BufferOpt
     live_.erase(record);
     e->allocation = allocation;
     e->key = key;
+    e->reuse_after = queued_work_mark();
     e->bucket = &bucket;
     e->key_older = bucket.newest;
     if (bucket.newest) bucket.newest->key_newer = e;

@@ -350,6 +350,14 @@ void CudaHCQDevice::fail(const std::string& reason) const {
   timeline_signal().slot().poison(reason);
 }
 
+bool CudaHCQDevice::queues_idle() const {
+  if (state_->released.load()) return true;
+  if (state_->api.cuCtxSetCurrent(state_->context) != CUDA_SUCCESS) return true;  // nothing more to learn
+  for (CUstream stream : {state_->compute, state_->copy})
+    if (state_->api.cuStreamQuery(stream) == CUDA_ERROR_NOT_READY) return false;
+  return true;
+}
+
 std::string CudaHCQDevice::recovery_hint() const {
   if (context_failed_.load(std::memory_order_acquire))
     return "The CUDA context failed earlier and cannot be used until the process restarts (a sticky driver error; "

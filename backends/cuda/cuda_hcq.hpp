@@ -207,6 +207,8 @@ class CudaHCQDevice final : public HCQCompiled<CudaComputeQueue, CudaCopyQueue> 
   // signal this device waited for) recover as on the CPU.
   std::string recover(std::chrono::milliseconds timeout = std::chrono::seconds(30)) override;
   std::string recovery_hint() const override;
+  // Both streams finished what they hold (recover() drains them first).
+  bool queues_idle() const override;
   int launch_timestamp(SignalSlot* slot, void* stream);  // the CUresult of the timestamp kernel's launch
   // Profiling spans around stream work (each returns a CUresult; see cuda_device.cpp).
   int begin_span(std::optional<ProfileRecord>& span, std::string_view name, void* stream);

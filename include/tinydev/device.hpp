@@ -64,8 +64,9 @@ class Compiled {
   // Records `nodes` as a graph for this device (tinydev/graph.hpp). The default replays eagerly.
   virtual std::unique_ptr<Graph> create_graph(std::vector<GraphNode> nodes);
 
-  // Blocks until all work queued on this device has finished: its default queue and every
-  // stream created from it (as cudaDeviceSynchronize).
+  // Blocks until all work queued on this device has ended: its default queue and every stream
+  // created from it (as cudaDeviceSynchronize). A stream whose work failed is skipped: its
+  // failure is reported by the stream (Stream::fault), not here.
   virtual void synchronize() {}
 
   // Streams (tinydev/stream.hpp, docs/serving.md): an independent in-order stream of work with

@@ -55,7 +55,9 @@ class HCQAllocator : public LRUAllocator {
     if (batch_size == 0 || batch_count == 0)
       throw InvalidArgument("an HCQ allocator's staging ring needs at least one slot of at least one byte");
     std::lock_guard lock(device_.submit_mutex());
-    device_.synchronize();
+    // The default queue only (what uses the ring): a device-wide synchronize would take its
+    // streams' locks while holding this one.
+    device_.wait_timeline_reached(device_.last_submitted_value());
     release_ring();
     batch_size_ = batch_size;
     batch_count_ = batch_count;
@@ -94,7 +96,14 @@ class HCQAllocator : public LRUAllocator {
     device_.check_usable();
     std::lock_guard lock(device_.submit_mutex());
     // The device's default queue only: its streams' work is ordered through events, not here.
-    device_.wait_timeline_reached(device_.last_submitted_value());
+    try {
+      device_.wait_timeline_reached(device_.last_submitted_value());
+    } catch (const Timeout&) {
+      throw;
+    } catch (const Error&) {
+      if (!device_.fault().empty()) device_.throw_fault();  // the work failed while we waited
+      throw;
+    }
     if (host_visible_ && !force_staging_) {
       direct_copy(dest.data(), src.host_ptr<std::byte>(), dest.size(), device_.name(), "CPU");
       return;
@@ -128,7 +137,10 @@ class HCQAllocator : public LRUAllocator {
 
   // Copies `size` bytes from `src` on src_device to `dest` on dest_device, ordered after the work
   // already submitted to both, on src_device's copy queue (the seed's transfer).
-  static void transfer(Allocation dest, Allocation src, std::size_t size, Device& src_device, Device& dest_device) {
+  // With mark_dest false (a stream's transfer, ordered through its Event), dest_device's later
+  // work is not ordered after the copy.
+  static void transfer(Allocation dest, Allocation src, std::size_t size, Device& src_device, Device& dest_device,
+                       bool mark_dest = true) {
     // Checked before a timeline value is taken: a value taken and never signalled hangs the device.
     Device::copy_queue_type::check_copy(dest, src, size);
     src_device.check_usable();
@@ -150,7 +162,7 @@ class HCQAllocator : public LRUAllocator {
       q.copy(dest, src, size);
     }
     q.signal(src_device.timeline_signal(), value).submit(src_device);
-    if (!same) {
+    if (!same && mark_dest) {
       const std::uint64_t value = dest_device.next_timeline_value();
       dest_device.compute_queue()
           .wait(src_device.timeline_signal(), src_device.timeline_value() - 1)
@@ -170,6 +182,18 @@ class HCQAllocator : public LRUAllocator {
     return std::span<std::byte>(allocation.host_ptr<std::byte>(), allocation.size);
   }
 
+  // Note [Cache reuse after queued work] (tinydev/memory.hpp): the last value taken on the
+  // timeline while work is in flight; done once the timeline reached it, or once the mark is past
+  // every value handed out (a wrap restarted the numbers after everything finished).
+  std::uint64_t queued_work_mark() const noexcept override {
+    if (!device_alive_ || device_.idle()) return 0;
+    return device_.timeline_value() - 1;
+  }
+  bool queued_work_done(std::uint64_t mark) const noexcept override {
+    if (mark == 0 || !device_alive_) return true;
+    return device_.timeline_slot()->value.load(std::memory_order_acquire) >= mark || mark >= device_.timeline_value();
+  }
+
   // Called by the device when its timeline wraps (Note [Timeline wrap]).
   void reset_staging_timelines() {
     std::fill(ring_timeline_.begin(), ring_timeline_.end(), 0);
@@ -186,8 +210,9 @@ class HCQAllocator : public LRUAllocator {
   // reuses it. A device whose wait already timed out once is waited for 1 s, not 30, so a process
   // with a hung kernel still exits in reasonable time.
   bool wait_before_free(std::size_t bytes) const {
-    if (!device_alive_ || device_.idle()) return true;
-    if (!device_.opened_in_this_process()) return false;
+    if (!device_alive_) return true;
+    if (!device_.opened_in_this_process()) return false;  // the parent's memory, even when idle
+    if (device_.idle()) return true;
     try {
       device_.wait_timeline_reached(device_.last_submitted_value(), device_.has_timed_out() ? std::chrono::seconds(1)
                                                                                      : std::chrono::seconds(30));

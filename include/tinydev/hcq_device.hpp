@@ -105,7 +105,10 @@ class HCQCompiled : public Compiled {
   ComputeQueue compute_queue() const { return ComputeQueue(); }  // the seed's hw_compute_queue_t()
   CopyQueue copy_queue() const { return CopyQueue(); }
 
-  // The timeline signal handle (changes when the timeline wraps; read it under submit_mutex()).
+  // The current timeline slot (lock-free; it changes when the timeline wraps or recovers).
+  const SignalSlot* timeline_slot() const noexcept { return timeline_slot_.load(std::memory_order_acquire); }
+  // The timeline signal handle (changes when the timeline wraps or the device recovers; read it
+  // under submit_mutex()).
   const Signal& timeline_signal() const noexcept { return timeline_signal_; }
   // The next value to signal on the timeline; value - 1 is the last one submitted.
   std::uint64_t timeline_value() const noexcept { return timeline_value_.load(std::memory_order_acquire); }
@@ -238,9 +241,12 @@ class HCQCompiled : public Compiled {
       std::this_thread::sleep_for(std::chrono::microseconds(100));
     }
     lazy_work_.store(false, std::memory_order_relaxed);
-    SignalSlot& slot = *timeline_slot_.load();
-    slot.clear_poison();
-    slot.store(timeline_value() - 1);  // everything submitted counts as finished
+    // The failed timeline stays poisoned for good: events and waits on values it never reached
+    // keep failing. The device goes on with a fresh timeline signal holding the last value taken
+    // (so kernargs pages and staging slots tagged with earlier values count as free). The old
+    // slot is never reused: deferred frees marked with it are simply not reclaimed.
+    timeline_signal_ = pool_->alloc(timeline_value() - 1);
+    timeline_slot_.store(&timeline_signal_.slot(), std::memory_order_release);
     {
       std::lock_guard abandoned_lock(abandoned_mutex_);
       abandoned_.clear();

@@ -217,6 +217,16 @@ class LRUAllocator : public Allocator {
   // The bound used when TINYDEV_LRU_MAX_BYTES is unset (a device allocator sizes it by its memory).
   void set_default_max_bytes(std::uint64_t bytes) noexcept { default_max_bytes_ = bytes; }
 
+  // Note [Cache reuse after queued work]
+  // Memory freed while the device's default queue still has work queued (a staged copyin that
+  // has not landed yet) may still be written by that work. Reuse by later default-queue work is
+  // ordered after it anyway, but a stream is not ordered with the default queue. So a free
+  // records queued_work_mark() with the entry, and a cache hit takes an entry only once
+  // queued_work_done(mark); otherwise it looks at a few older entries, then allocates fresh. Both
+  // are called under the cache's lock and must not block. The defaults (no queues) always reuse.
+  virtual std::uint64_t queued_work_mark() const noexcept { return 0; }
+  virtual bool queued_work_done(std::uint64_t mark) const noexcept { return mark == 0; }
+
  // Derived classes must call free_cache() in their own destructor: cached allocations are
  // returned through free_impl, which is gone by the time ~LRUAllocator runs.
 

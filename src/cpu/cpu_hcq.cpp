@@ -171,7 +171,7 @@ void CpuQueueWorker::run() {
     execute_commands(*next, 0, device_, lane_, /*blocking=*/true, &blocked_);
     // BlockedOn: running_name was cleared; a reader that read it before is seen here.
     std::atomic_thread_fence(std::memory_order_seq_cst);
-    while (blocked_.readers.load(std::memory_order_relaxed) != 0) detail::cpu_relax();
+    while (blocked_.readers.load(std::memory_order_acquire) != 0) detail::cpu_relax();
     next.reset();  // the snapshot's release happens before the queue sees it unshared
     finished_.fetch_add(1, std::memory_order_release);
   }
@@ -361,7 +361,7 @@ std::string describe_slot(const SignalSlot* slot) {
     LiveDevices& live = live_devices();
     std::lock_guard lock(live.mutex);
     for (const CpuHCQDevice* device : live.devices)
-      if (&device->timeline_signal().slot() == slot) return fmt::format("{}'s timeline", device->name());
+      if (device->timeline_slot() == slot) return fmt::format("{}'s timeline", device->name());
   }
   if (auto index = CpuHCQDevice::shared_signal_pool()->index_of(slot))
     return fmt::format("{} signal #{}", CpuHCQDevice::shared_signal_pool()->name(), *index);

@@ -199,12 +199,15 @@ class CpuStream final : public Stream {
     std::lock_guard lock(lane_.submit_mutex());
     prepare();
     flush_waits();
-    HCQAllocator<CpuHCQDevice>::transfer(dest.allocation(), src.allocation(), src.nbytes(), lane_, *dest_device);
+    // Ordered through the Event: the destination device's default queue is not tied to this stream.
+    HCQAllocator<CpuHCQDevice>::transfer(dest.allocation(), src.allocation(), src.nbytes(), lane_, *dest_device,
+                                         /*mark_dest=*/false);
     const Buffer both[] = {dest, src};
     return finish(both, nullptr);
   }
 
   void wait(const Event& event) override {
+    lane_.check_usable();  // a faulted stream takes no waits (recover() first)
     if (event.query()) return;  // complete (or DeviceFault: the work it stands for failed)
     if (!lane_.can_reach(*event.signal().pool())) {
       event.wait();  // another backend's event: waited for here, on the host
@@ -233,7 +236,7 @@ class CpuStream final : public Stream {
   std::string recover(std::chrono::milliseconds timeout) override {
     std::lock_guard lock(lane_.submit_mutex());
     std::string was = lane_.recover(timeout);
-    waits_.clear();
+    if (!was.empty()) waits_.clear();  // they were part of what failed; a healthy stream keeps its waits
     release_finished();
     return was;
   }

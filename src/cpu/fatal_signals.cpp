@@ -3,6 +3,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -27,8 +28,9 @@ namespace tinydev::cpu {
 
 namespace {
 
-// initial-exec: a plain %fs-relative access on every kernel launch, no __tls_get_addr call.
-__attribute__((tls_model("initial-exec"))) thread_local RunningKernel* tls_running = nullptr;
+// The default TLS model: initial-exec would save a __tls_get_addr call per launch but can make a
+// shared libtinydev fail to dlopen (static TLS exhausted), which a plugin host cannot afford.
+thread_local RunningKernel* tls_running = nullptr;
 
 constexpr int kSignals[] = {SIGSEGV, SIGBUS, SIGFPE, SIGILL};
 struct sigaction previous_actions[NSIG];
@@ -63,6 +65,7 @@ const char* signal_name(int sig) noexcept {
 }
 
 void fatal_handler(int sig, siginfo_t* info, void* context) {
+  const int saved_errno = errno;  // a chained handler that returns must find errno as it was
   if (const RunningKernel* k = tls_running) {
     write_str("tinydev: fatal ");
     write_str(signal_name(sig));
@@ -77,6 +80,7 @@ void fatal_handler(int sig, siginfo_t* info, void* context) {
     write_str("; the process cannot go on safely\n");
   }
   const struct sigaction& prev = previous_actions[sig];
+  errno = saved_errno;
   if ((prev.sa_flags & SA_SIGINFO) && prev.sa_sigaction) {
     prev.sa_sigaction(sig, info, context);
     return;

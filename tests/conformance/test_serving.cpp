@@ -104,7 +104,11 @@ TEST_CASE("serving: after a queue failure every call throws DeviceFault naming i
     CHECK_THROWS_AS(dev.reserve_timeline_value(), DeviceFault);
     CHECK_THROWS_AS(dev.create_stream(), DeviceFault);
     // recover() clears it and says what it cleared; the buffers hold what they held before.
+    const std::uint64_t failed_value = dev.timeline_value() - 1;
+    const Signal failed_timeline = dev.timeline_signal();
     CHECK_THAT(dev.recover(), Catch::Contains(cause));
+    // A wait for the failed value still fails: the old timeline stays poisoned.
+    CHECK_THROWS_AS(Event(failed_timeline, failed_value).wait(100ms), DeviceFault);
     CHECK(dev.fault().empty());
     CHECK(dev.recover().empty());
     ba.copyout(bytes_of(back));
@@ -241,6 +245,9 @@ TEST_CASE("serving: graphs replay on a stream and a failed stream recovers witho
     CHECK(dev.fault().empty());
     CHECK_NOTHROW(dev.synchronize());
     CHECK_THAT(stream->recover(), Catch::Contains("stream failure"));
+    // The failed work's event stays failed after the recovery: nothing ran for it.
+    CHECK_THROWS_AS(failed.query(), DeviceFault);
+    CHECK(stream->recover().empty());
     const auto vx = random_floats(n, fresh_seed()), vy = random_floats(n, fresh_seed());
     stream->copyin(x, bytes_of(vx));
     stream->copyin(y, bytes_of(vy));
@@ -391,5 +398,39 @@ TEST_CASE("serving: a timeout names the kernel a queue is running and for how lo
     // Let it go (the flag is host memory the kernel polls).
     flag.allocation().host_ptr<std::atomic<std::int32_t>>()->store(1);
     dev.wait_timeline(v, 5000ms);
+  });
+}
+
+TEST_CASE("serving: memory freed while default-queue work is queued is not reused until that work finished",
+          "[serving]") {
+  for_each_backend(kCpuKernels, [](Compiled& compiled) {
+    auto& dev = as_cpu(compiled);
+    auto& allocator = hcq_allocator(dev);
+    const std::size_t bytes = (1u << 16) + 64 * (fresh_seed() % 64);
+    const auto data = random_bytes(bytes, fresh_seed());
+    Signal gate = dev.alloc_signal(0);
+    {
+      auto r = dev.reserve_timeline_value();
+      dev.compute_queue().wait(dev.timeline_signal(), r.value() - 1).wait(gate, 1).signal(dev.timeline_signal(), r.value()).submit(dev);
+      r.submitted();
+    }
+    Allocation first;
+    {
+      Buffer x(dev.name(), bytes, dtypes::uint8);
+      x.allocate();
+      first = x.allocation();
+      allocator.set_force_staging(true);
+      x.copyin(data);  // staged: its copy lands only after the gate opens
+      allocator.set_force_staging(false);
+    }  // freed into the cache with that copy still queued
+    Buffer y(dev.name(), bytes, dtypes::uint8);
+    y.allocate();
+    CHECK_FALSE(y.allocation().va_addr == first.va_addr);  // a stream writing y must not race x's copy
+    gate.set(1);
+    dev.synchronize();
+    Buffer z(dev.name(), bytes, dtypes::uint8);
+    z.allocate();
+    CHECK(z.allocation().va_addr == first.va_addr);  // once the copy landed, the cache hands it out again
+    dev.free_signal(gate);
   });
 }
