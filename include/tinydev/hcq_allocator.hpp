@@ -96,14 +96,7 @@ class HCQAllocator : public LRUAllocator {
     device_.check_usable();
     std::lock_guard lock(device_.submit_mutex());
     // The device's default queue only: its streams' work is ordered through events, not here.
-    try {
-      device_.wait_timeline_reached(device_.last_submitted_value());
-    } catch (const Timeout&) {
-      throw;
-    } catch (const Error&) {
-      if (!device_.fault().empty()) device_.throw_fault();  // the work failed while we waited
-      throw;
-    }
+    device_.wait_submitted();
     if (host_visible_ && !force_staging_) {
       direct_copy(dest.data(), src.host_ptr<std::byte>(), dest.size(), device_.name(), "CPU");
       return;

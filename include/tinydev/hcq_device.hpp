@@ -190,7 +190,7 @@ class HCQCompiled : public Compiled {
   void abandon_timeline_value(std::uint64_t value) noexcept {
     std::lock_guard lock(submit_mutex_);
     try {
-      compute_queue().wait(timeline_signal_, value - 1).signal(timeline_signal_, value).submit(static_cast<Compiled&>(*this));
+      compute_queue().wait(timeline_signal_, value - 1).signal(timeline_signal_, value).submit(*this);
       std::lock_guard abandoned_lock(abandoned_mutex_);
       if (abandoned_.size() >= 64) abandoned_.erase(abandoned_.begin());
       abandoned_.push_back(value);
@@ -208,10 +208,13 @@ class HCQCompiled : public Compiled {
   // Throws ForkedDevice in a forked child (Note [Devices and fork]) and DeviceFault once the
   // device's queue failed (fault()). Lock-free; every entry point that queues or copies calls it.
   void check_usable() const {
-    if (detail::fork_generation() != fork_generation_) [[unlikely]]
-      detail::throw_forked_device(name());
+    check_not_forked();
     if (timeline_slot_.load(std::memory_order_relaxed)->poisoned.load(std::memory_order_acquire)) [[unlikely]]
       throw_fault();
+  }
+  void check_not_forked() const {
+    if (detail::fork_generation() != fork_generation_) [[unlikely]]
+      detail::throw_forked_device(name());
   }
   [[noreturn]] void throw_fault() const {
     throw DeviceFault(fmt::format("{} cannot take more work: {}. {}", name(), fault(), recovery_hint()));
@@ -227,7 +230,7 @@ class HCQCompiled : public Compiled {
   // Note [Fault recovery]: after a failure the queues fail fast (each later submission's first
   // wait sees the poisoned timeline), so draining takes microseconds unless a kernel still runs.
   std::string recover(std::chrono::milliseconds timeout = std::chrono::seconds(30)) override {
-    if (detail::fork_generation() != fork_generation_) detail::throw_forked_device(name());
+    check_not_forked();
     std::lock_guard lock(submit_mutex_);
     std::string was = fault();
     if (was.empty()) return was;
@@ -293,14 +296,7 @@ class HCQCompiled : public Compiled {
   void synchronize() override {
     check_usable();
     std::lock_guard lock(submit_mutex_);
-    try {
-      wait_timeline_reached(last_submitted_value());
-    } catch (const Timeout&) {
-      throw;
-    } catch (const Error&) {
-      if (!fault().empty()) throw_fault();  // the work failed while we waited
-      throw;
-    }
+    wait_submitted();
     if (wraps_timeline_ && timeline_value() > kTimelineWrap) wrap_timeline();
     reclaim_signals();
     process_profile_records();
@@ -314,6 +310,18 @@ class HCQCompiled : public Compiled {
     wait_timeline_reached(value, timeout);
     if (has_abandoned_.load(std::memory_order_acquire)) [[unlikely]]
       check_abandoned(value);
+  }
+  // Waits for everything submitted so far (last_submitted_value()). Timeout as wait_timeline; a
+  // DeviceFault naming the failure when the work failed meanwhile.
+  void wait_submitted(std::chrono::milliseconds timeout = std::chrono::seconds(30)) {
+    try {
+      wait_timeline_reached(last_submitted_value(), timeout);
+    } catch (const Timeout&) {
+      throw;
+    } catch (const Error&) {
+      if (!fault().empty()) throw_fault();
+      throw;
+    }
   }
   // wait_timeline for waits that cover everything before `value` (synchronize, frees), where an
   // abandoned value is no error.

@@ -74,7 +74,7 @@ class HCQGraph final : public Graph {
     bool finished = true;
     if (replays_ && device_.opened_in_this_process()) {
       try {
-        signal_.wait(copies_[(replays_ - 1) % std::size(copies_)].last_final, kDestroyWait);
+        signal_.wait(last_replay_end(), kDestroyWait);
       } catch (const Timeout& e) {
         finished = false;
         debug_log(0, "tinydev: {}: a graph destroyed while its replay still runs after {} s; leaking its kernel "
@@ -174,7 +174,7 @@ class HCQGraph final : public Graph {
       // A replay failed, and the device has recovered since (check_usable passed, so its queues
       // drained): the graph goes on from its last replay's end.
       signal_.slot().clear_poison();
-      signal_.set(replays_ ? copies_[(replays_ - 1) % std::size(copies_)].last_final : 0);
+      signal_.set(last_replay_end());
     }
     Copy& copy = copies_[replays_ % std::size(copies_)];
     ComputeQueue& compute_q = copy.compute;
@@ -232,6 +232,11 @@ class HCQGraph final : public Graph {
   }
 
  private:
+  // The graph signal's value at the end of the last replay (0 before the first).
+  std::uint64_t last_replay_end() const noexcept {
+    return replays_ ? copies_[(replays_ - 1) % std::size(copies_)].last_final : 0;
+  }
+
   // The device name the graph's programs must have been loaded on (a stream's lane runs its
   // device's programs).
   static const std::string& kernels_device(const Device& device) {

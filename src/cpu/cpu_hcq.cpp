@@ -287,7 +287,7 @@ std::string CpuQueueWorker::describe_blocked() const {
   const auto now = static_cast<std::int64_t>(Profiler::now_ns());
   {
     // Announced as a reader, the running program's name stays alive while we copy it (BlockedOn).
-    auto& b = const_cast<BlockedOn&>(blocked_);
+    BlockedOn& b = blocked_;
     b.readers.fetch_add(1, std::memory_order_seq_cst);
     std::string kernel;
     std::int64_t command = -1, since = 0;
@@ -407,7 +407,7 @@ std::shared_ptr<CpuProgram> make_cpu_program(std::string name, std::string devic
           LiveDevices& live = live_devices();
           std::lock_guard lock(live.mutex);
           for (const CpuHCQDevice* device : live.devices) {
-            const CpuQueueWorker& worker = const_cast<CpuHCQDevice*>(device)->compute_worker();
+            const CpuQueueWorker& worker = device->compute_worker();
             if (worker.finished() < worker.submitted()) marks.emplace_back(&worker, worker.submitted());
           }
         }
@@ -535,26 +535,6 @@ std::shared_ptr<Stream> CpuHCQDevice::create_stream(const StreamOptions& options
 void CpuHCQDevice::return_lane(CpuHCQDevice* lane) {
   std::lock_guard lock(lanes_mutex_);
   free_lanes_.push_back(lane);
-}
-
-bool CpuHCQDevice::run_inline_or_submit(std::shared_ptr<const std::vector<CpuCommand>> commands, bool compute,
-                                        std::uint64_t before) {
-  CpuQueueWorker& worker = compute ? compute_worker_ : copy_worker_;
-  if (timeline_signal().slot().value.load(std::memory_order_acquire) < before) {
-    worker.submit(std::move(commands));
-    return false;
-  }
-  const std::size_t stopped = execute_commands(*commands, 0, name(), compute ? "COMPUTE" : "DMA", /*blocking=*/false);
-  if (stopped < commands->size()) {
-    // A wait for another stream's event: the worker takes it from there.
-    try {
-      worker.submit(std::make_shared<const std::vector<CpuCommand>>(commands->begin() + stopped, commands->end()));
-    } catch (const std::exception& e) {
-      poison_signals_from(*commands, stopped,
-                          fmt::format("{}: handing work to the worker failed: {}", name(), e.what()));
-    }
-  }
-  return true;
 }
 
 // Note [Inline replay]

@@ -160,7 +160,7 @@ class CpuQueueWorker {
   std::deque<std::shared_ptr<const std::vector<CpuCommand>>> pending_;
   std::atomic<std::uint64_t> submitted_{0};
   std::atomic<std::uint64_t> finished_{0};
-  BlockedOn blocked_;
+  mutable BlockedOn blocked_;  // describe_blocked() announces itself as a reader
   bool sleeping_ = false;
   bool stop_ = false;
   std::thread thread_;  // started by the first submit
@@ -200,12 +200,7 @@ class CpuHCQDevice : public HCQCompiled<CpuComputeQueue, CpuCopyQueue>, public C
   const std::string& kernels_device() const noexcept { return parent_ ? parent_->name() : name(); }
   // The default queue, then every stream of this device.
   void synchronize() override;
-  // Runs `commands` (a submission for this device's compute or copy worker) on the calling thread
-  // if this device is idle (its timeline reached `before` and, for the graph case, ...): the
-  // commands up to the first wait that is not satisfied yet run here, the rest go to the worker.
-  // Returns whether anything ran here. Caller holds submit_mutex().
-  bool run_inline_or_submit(std::shared_ptr<const std::vector<CpuCommand>> commands, bool compute,
-                            std::uint64_t before);
+
 
   // Every CPU device's signals: host memory that every CPU queue can reach.
   static const std::shared_ptr<SignalPool>& shared_signal_pool();
@@ -215,6 +210,7 @@ class CpuHCQDevice : public HCQCompiled<CpuComputeQueue, CpuCopyQueue>, public C
   std::uint64_t device_to_cpu_ns(std::uint64_t device_ns, bool) const override { return device_ns; }
 
   CpuQueueWorker& compute_worker() noexcept { return compute_worker_; }
+  const CpuQueueWorker& compute_worker() const noexcept { return compute_worker_; }
   CpuQueueWorker& copy_worker() noexcept { return copy_worker_; }
   CpuAllocator& cpu_allocator() noexcept { return static_cast<CpuAllocator&>(allocator()); }
 

@@ -19,9 +19,10 @@ namespace tinydev::cpu {
 // timeline value, waits for the events given to wait() since the last submission, the work, and a
 // signal of the next timeline value; the Event returned is (lane timeline, that value). Kernels run
 // on the lane's compute worker, copies on its copy worker, so two streams run at once on two cores
-// and grids from two streams share the thread pool (which runs several grids at once). An idle
-// lane runs the submission on the caller instead (StreamOptions::run_inline_when_idle; stopping at
-// the first wait for an event not reached yet and handing the rest to the worker). What the work
+// and grids from two streams share the thread pool (which runs several grids at once). When the
+// lane is idle and every event waited for is complete, the work runs on the caller instead, with
+// no queue recorded (StreamOptions::run_inline_when_idle; the lane's timeline still takes and
+// reaches the value). What the work
 // uses (Buffers, the Program) is held with the value that ends it and let go by a later call on
 // the caller's thread once the timeline passed that value: never on a worker, where a Buffer's
 // free could wait for the worker itself.
@@ -36,9 +37,7 @@ class CpuStream final : public Stream {
     bool reusable = lane_.opened_in_this_process();
     if (reusable && lane_.fault().empty()) {
       try {
-        std::lock_guard lock(lane_.submit_mutex());
-        flush_waits();
-        lane_.wait_timeline_reached(lane_.last_submitted_value(), std::chrono::seconds(30));
+        synchronize(std::chrono::seconds(30));
       } catch (const Timeout& e) {
         debug_log(0, "tinydev: {}: dropped while its work still runs ({}); its lane is not reused", *name_, e.what());
         reusable = false;
@@ -106,7 +105,7 @@ class CpuStream final : public Stream {
     q.copy(Allocation{reinterpret_cast<std::uintptr_t>(dest.data()), dest.size(), nullptr}, src.allocation(),
            dest.size());
     q.signal(lane_.timeline_signal(), value);
-    run(q.words(), /*compute=*/false, value - 1);
+    lane_.copy_worker().submit(q.words());
     reservation.submitted();
     waits_.clear();
     return finish(std::span(&src, 1), nullptr);
@@ -153,7 +152,7 @@ class CpuStream final : public Stream {
     q.wait(lane_.timeline_signal(), value - 1);
     for (const auto& [signal, wanted] : waits_) q.wait(signal, wanted);
     q.exec(*cpu_program, kernargs, params.global, params.local).signal(lane_.timeline_signal(), value);
-    run(q.words(), /*compute=*/true, value - 1);
+    lane_.compute_worker().submit(q.words());
     reservation.submitted();
     waits_.clear();
     return finish(buffers, program);
@@ -228,7 +227,7 @@ class CpuStream final : public Stream {
     std::lock_guard lock(lane_.submit_mutex());
     lane_.check_usable();
     flush_waits();
-    lane_.wait_timeline_reached(lane_.last_submitted_value(), timeout);
+    lane_.wait_submitted(timeout);
     release_finished();
   }
 
@@ -279,15 +278,15 @@ class CpuStream final : public Stream {
     reservation.submitted();
     waits_.clear();
   }
-  void run(std::shared_ptr<const std::vector<CpuCommand>> words, bool compute, std::uint64_t before) {
-    if (options_.run_inline_when_idle) lane_.run_inline_or_submit(std::move(words), compute, before);
-    else (compute ? lane_.compute_worker() : lane_.copy_worker()).submit(std::move(words));
-  }
   // Whether the work of timeline value `value` (reserved, its lock held) runs on the caller with no
-  // queue at all: inline runs asked for, no event to wait for, and everything before it finished.
-  bool runs_here(std::uint64_t value) const {
-    return options_.run_inline_when_idle && waits_.empty() &&
-           lane_.timeline_signal().slot().value.load(std::memory_order_acquire) + 1 >= value;
+  // queue at all: inline runs asked for, every event waited for complete (those are dropped from
+  // the waits), and everything before it finished. Otherwise it goes to the lane's workers.
+  bool runs_here(std::uint64_t value) {
+    if (!options_.run_inline_when_idle) return false;
+    std::erase_if(waits_, [](const auto& wait) {
+      return wait.first.slot().value.load(std::memory_order_acquire) >= wait.second;
+    });
+    return waits_.empty() && lane_.timeline_signal().slot().value.load(std::memory_order_acquire) + 1 >= value;
   }
   // The work of `value` ran on the caller: the timeline reaches it, as a queue's signal would.
   Event ran_here(HCQCompiled<CpuComputeQueue, CpuCopyQueue>::TimelineReservation& reservation, std::uint64_t value) {
