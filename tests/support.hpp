@@ -170,15 +170,17 @@ inline FakeDevice& fake_device(const std::string& name = "FAKE") {
 }
 
 // Records `body` into a compute queue of HCQ device `dev` ordered on its timeline (wait for the
-// last value, signal the next) and submits it.
+// last value, signal the next) and submits it; returns the timeline value that ends it.
 template <class Dev, class Body>
-void submit_ordered(Dev& dev, Body&& body) {
-  std::lock_guard lock(dev.submit_mutex());
-  const std::uint64_t v = dev.next_timeline_value();
+std::uint64_t submit_ordered(Dev& dev, Body&& body) {
+  auto reservation = dev.reserve_timeline_value();
+  const std::uint64_t v = reservation.value();
   auto q = dev.compute_queue();
   q.wait(dev.timeline_signal(), v - 1);
   body(q);
   q.signal(dev.timeline_signal(), v).submit(dev);
+  reservation.submitted();
+  return v;
 }
 
 }  // namespace tinydev::testing

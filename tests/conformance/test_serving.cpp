@@ -38,6 +38,18 @@ std::vector<float> add_reference(const std::vector<float>& a, const std::vector<
 std::span<const std::byte> bytes_of(const std::vector<float>& v) { return std::as_bytes(std::span(v)); }
 std::span<std::byte> bytes_of(std::vector<float>& v) { return std::as_writable_bytes(std::span(v)); }
 
+// Fresh random operands of out = a + b, n floats each, copied into buffers of `dev`.
+struct AddOperands {
+  std::vector<float> a, b;
+  Buffer ba, bb, out;
+  AddOperands(Compiled& dev, std::size_t n)
+      : a(random_floats(n, fresh_seed())), b(random_floats(n, fresh_seed())), ba(float_buffer(dev, n)),
+        bb(float_buffer(dev, n)), out(float_buffer(dev, n)) {
+    ba.copyin(bytes_of(a));
+    bb.copyin(bytes_of(b));
+  }
+};
+
 }  // namespace
 
 TEST_CASE("serving: a timeline reservation dropped by an exception completes its value so the device goes on",
@@ -77,18 +89,12 @@ TEST_CASE("serving: after a queue failure every call throws DeviceFault naming i
     auto& dev = as_cpu(compiled);
     auto add = load_add(dev);
     const std::size_t n = 64 + fresh_seed() % 64;
-    const auto a = random_floats(n, fresh_seed()), b = random_floats(n, fresh_seed());
-    Buffer ba = float_buffer(dev, n), bb = float_buffer(dev, n), out = float_buffer(dev, n);
-    ba.copyin(bytes_of(a));
-    bb.copyin(bytes_of(b));
+    AddOperands operands(dev, n);
+    auto& [a, b, ba, bb, out] = operands;
     // A queue whose dependency fails: the device's timeline is poisoned.
     Signal gate = dev.alloc_signal(0);
     const std::string cause = "injected failure " + std::to_string(fresh_seed() % 100000);
-    {
-      auto r = dev.reserve_timeline_value();
-      dev.compute_queue().wait(dev.timeline_signal(), r.value() - 1).wait(gate, 1).signal(dev.timeline_signal(), r.value()).submit(dev);
-      r.submitted();
-    }
+    submit_ordered(dev, [&](auto& q) { q.wait(gate, 1); });
     gate.poison(cause);
     CHECK_THROWS_AS(dev.synchronize(), DeviceFault);
     REQUIRE_THAT(dev.fault(), Catch::Contains(cause));
@@ -125,10 +131,8 @@ TEST_CASE("serving: a Program dropped while its exec is queued stays alive until
   for_each_backend(kCpuKernels, [](Compiled& compiled) {
     auto& dev = as_cpu(compiled);
     const std::size_t n = 256 + fresh_seed() % 256;
-    const auto a = random_floats(n, fresh_seed()), b = random_floats(n, fresh_seed());
-    Buffer ba = float_buffer(dev, n), bb = float_buffer(dev, n), out = float_buffer(dev, n);
-    ba.copyin(bytes_of(a));
-    bb.copyin(bytes_of(b));
+    AddOperands operands(dev, n);
+    auto& [a, b, ba, bb, out] = operands;
     Signal gate = dev.alloc_signal(0);
     {
       // A kernel of its own (a fresh name: no other handle shares its code), dropped right after submit.
@@ -140,10 +144,7 @@ TEST_CASE("serving: a Program dropped while its exec is queued stays alive until
       const std::int32_t values[] = {static_cast<std::int32_t>(n)};
       Kernargs k = dev.alloc_kernargs(3, 1);
       fill_kernargs(*program, k, args, values);
-      auto r = dev.reserve_timeline_value();
-      dev.compute_queue().wait(dev.timeline_signal(), r.value() - 1).wait(gate, 1).exec(*program, k, {1, 1, 1}, {1, 1, 1})
-          .signal(dev.timeline_signal(), r.value()).submit(dev);
-      r.submitted();
+      submit_ordered(dev, [&](auto& q) { q.wait(gate, 1).exec(*program, k, {1, 1, 1}, {1, 1, 1}); });
       program.reset();  // the last handle: the program retires, kept until the worker ran the exec
     }
     std::this_thread::sleep_for(5ms);
@@ -304,24 +305,21 @@ TEST_CASE("serving: a device opened before fork is a ForkedDevice error in the c
     auto& dev = as_cpu(compiled);
     auto add = load_add(dev);
     const std::size_t n = 128;
-    const auto a = random_floats(n, fresh_seed()), b = random_floats(n, fresh_seed());
-    Buffer ba = float_buffer(dev, n), bb = float_buffer(dev, n), out = float_buffer(dev, n);
-    ba.copyin(bytes_of(a));
-    bb.copyin(bytes_of(b));
+    AddOperands operands(dev, n);
+    auto& [a, b, ba, bb, out] = operands;
     const Allocation args[] = {out.allocation(), ba.allocation(), bb.allocation()};
     const std::int32_t values[] = {static_cast<std::int32_t>(n)};
     // Another thread keeps submitting while we fork.
     std::atomic<bool> stop{false};
     std::atomic<int> submitted{0};
+    const auto& program = dynamic_cast<const cpu::CpuProgram&>(*add);
     std::thread submitter([&] {
       while (!stop.load()) {
-        Kernargs k = dev.alloc_kernargs(3, 1);
-        fill_kernargs(dynamic_cast<const cpu::CpuProgram&>(*add), k, args, values);
-        auto r = dev.reserve_timeline_value();
-        dev.compute_queue().wait(dev.timeline_signal(), r.value() - 1)
-            .exec(dynamic_cast<const cpu::CpuProgram&>(*add), k, {1, 1, 1}, {1, 1, 1})
-            .signal(dev.timeline_signal(), r.value()).submit(dev);
-        r.submitted();
+        submit_ordered(dev, [&](auto& q) {
+          Kernargs k = dev.alloc_kernargs(3, 1);  // in the reservation's locked section (Note [Kernargs pages])
+          fill_kernargs(program, k, args, values);
+          q.exec(program, k, {1, 1, 1}, {1, 1, 1});
+        });
         submitted += 1;
       }
     });
@@ -385,14 +383,7 @@ TEST_CASE("serving: a timeout names the kernel a queue is running and for how lo
     const Allocation args[] = {flag.allocation()};
     Kernargs k = dev.alloc_kernargs(1, 0);
     fill_kernargs(*program, k, args, {});
-    std::uint64_t v;
-    {
-      auto r = dev.reserve_timeline_value();
-      v = r.value();
-      dev.compute_queue().wait(dev.timeline_signal(), v - 1).exec(*program, k, {1, 1, 1}, {1, 1, 1})
-          .signal(dev.timeline_signal(), v).submit(dev);
-      r.submitted();
-    }
+    const std::uint64_t v = submit_ordered(dev, [&](auto& q) { q.exec(*program, k, {1, 1, 1}, {1, 1, 1}); });
     CHECK_THROWS_WITH(dev.wait_timeline(v, 100ms),
                       Catch::Contains("running kernel 'spin_until'") && Catch::Contains(" ms"));
     // Let it go (the flag is host memory the kernel polls).
@@ -409,11 +400,7 @@ TEST_CASE("serving: memory freed while default-queue work is queued is not reuse
     const std::size_t bytes = (1u << 16) + 64 * (fresh_seed() % 64);
     const auto data = random_bytes(bytes, fresh_seed());
     Signal gate = dev.alloc_signal(0);
-    {
-      auto r = dev.reserve_timeline_value();
-      dev.compute_queue().wait(dev.timeline_signal(), r.value() - 1).wait(gate, 1).signal(dev.timeline_signal(), r.value()).submit(dev);
-      r.submitted();
-    }
+    submit_ordered(dev, [&](auto& q) { q.wait(gate, 1); });  // holds the timeline until the gate opens
     Allocation first;
     {
       Buffer x(dev.name(), bytes, dtypes::uint8);
