@@ -29,7 +29,10 @@ namespace tinydev::cpu {
 class CpuStream final : public Stream {
  public:
   CpuStream(CpuHCQDevice& device, CpuHCQDevice& lane, const StreamOptions& options)
-      : device_(device), lane_(lane), options_(options), name_(&lane.name()) {}
+      : device_(device), lane_(lane), options_(options), name_(&lane.name()) {
+    // Without inline runs, a copyin goes through the lane's staging ring even when the lane is idle.
+    lane_.cpu_allocator().set_force_staging(!options_.run_inline_when_idle);
+  }
 
   ~CpuStream() override {
     // Our work reads buffers we hold: wait for it (bounded), then give the lane back for reuse. A
@@ -77,11 +80,9 @@ class CpuStream final : public Stream {
       return Event(lane_.timeline_signal(), lane_.timeline_value() - 1, name_);
     }
     flush_waits();
-    auto& allocator = lane_.cpu_allocator();
-    allocator.set_force_staging(!options_.run_inline_when_idle);
     // The lane's staging ring: a direct copy when the lane is idle, else through its copy queue,
     // ordered after the lane's work; either way the caller's bytes are read before this returns.
-    allocator.copyin(dest.allocation(), src);
+    lane_.cpu_allocator().copyin(dest.allocation(), src);
     return finish(std::span(&dest, 1), nullptr);
   }
 
