@@ -225,4 +225,64 @@ std::string Buffer::repr() const {
                      dtype().name, is_view() ? fmt::format(" offset:{}", offset()) : "");
 }
 
+std::string_view to_string(CopyPath path) noexcept {
+  switch (path) {
+    case CopyPath::copy_from_disk: return "copy_from_disk";
+    case CopyPath::as_buffer: return "as_buffer";
+    case CopyPath::transfer: return "transfer";
+    case CopyPath::copyin: return "copyin";
+  }
+  return "?";
+}
+
+namespace {
+std::string_view device_type(std::string_view canonical) { return canonical.substr(0, canonical.find(':')); }
+}  // namespace
+
+// The seed's BufferCopy.copy and BufferXfer.copy, in one place. The 4 KiB floor is the seed's:
+// below it, a round of the staging ring costs more than a read through the mapping.
+CopyPath copy(const Buffer& dest, const Buffer& src) {
+  if (dest.nbytes() != src.nbytes() || dest.dtype() != src.dtype())
+    throw InvalidArgument(fmt::format("copy into {} x {} on {} from {} x {} on {}: the sizes and dtypes must match; "
+                                      "make the destination a buffer (or view) of the source's shape",
+                                      dest.size(), dest.dtype().name, dest.device(), src.size(), src.dtype().name,
+                                      src.device()));
+  Buffer source = src;
+  if (!source.is_allocated() && source.is_view() && source.base().is_allocated()) source.allocate();
+  if (!source.is_allocated())
+    throw InvalidArgument(fmt::format("copy from an unallocated buffer of {} bytes on {}: allocate and fill it first",
+                                      src.nbytes(), src.device()));
+  Buffer target = dest;  // a handle on the same memory
+  target.ensure_allocated();
+  const std::size_t n = dest.nbytes();
+  if (n == 0) return CopyPath::copyin;
+  Allocator& from = Device[src.device()].allocator();
+  Allocator& to = Device[dest.device()].allocator();
+  const Allocation& s = src.allocation();
+  const Allocation& d = dest.allocation();
+  CopyPath path = CopyPath::copyin;
+  FileReader* reader = from.file_reader();
+  if (reader && to.supports_copy_from_disk() && n >= 4096) {
+    path = CopyPath::copy_from_disk;
+    debug_log(2, "tinydev: copy {} -> {}: {} bytes by copy_from_disk ({})", src.device(), dest.device(), n,
+              reader->describe_reads());
+    to.copy_from_disk(d, *reader, s, n);
+  } else if (auto window = reader && !to.file_reader() ? to.as_buffer(d) : std::nullopt) {
+    path = CopyPath::as_buffer;
+    debug_log(2, "tinydev: copy {} -> {}: {} bytes read into its host memory ({})", src.device(), dest.device(), n,
+              reader->describe_reads());
+    reader->read_into(window->data(), s, n);
+  } else if (device_type(src.device()) == device_type(dest.device()) && to.supports_transfer()) {
+    path = CopyPath::transfer;
+    debug_log(2, "tinydev: copy {} -> {}: {} bytes by transfer", src.device(), dest.device(), n);
+    to.transfer(d, s, n, Device[src.device()], Device[dest.device()]);
+  } else {
+    HostBytes bytes = src.as_buffer(/*allow_zero_copy=*/true);
+    debug_log(2, "tinydev: copy {} -> {}: {} bytes through host memory ({}), then copyin", src.device(),
+              dest.device(), n, bytes.is_zero_copy() ? "zero copy" : "a copy");
+    target.copyin(bytes.bytes());
+  }
+  return path;
+}
+
 }  // namespace tinydev

@@ -26,7 +26,7 @@ constexpr std::string_view kVariables[] = {
     "TINYDEV_LRU_MAX_BYTES",  "TINYDEV_DISABLE_COMPILER_CACHE",
     "TINYDEV_ASSERT_COMPILE", "TINYDEV_CACHE_DIR",       "TINYDEV_CACHE_MAX_BYTES",
     "TINYDEV_PROFILE",        "TINYDEV_CPU_THREADS",     "TINYDEV_FATAL_SIGNALS",     "TINYDEV_COMPILE_TIMEOUT",
-    "TINYDEV_CUDA_DRIVER",    "TINYDEV_CUDA_PTX",
+    "TINYDEV_CUDA_DRIVER",    "TINYDEV_CUDA_PTX",        "TINYDEV_DISK_IO",
 };
 constexpr std::string_view kPrefix = "TINYDEV_";
 
@@ -113,6 +113,14 @@ Settings parse_with(Get get) {
   if (auto v = get("TINYDEV_CUDA_PTX"); v && !v->empty()) out.cuda_ptx = parse_flag("TINYDEV_CUDA_PTX", *v);
   if (auto v = get("TINYDEV_FATAL_SIGNALS"); v && !v->empty())
     out.fatal_signal_messages = parse_flag("TINYDEV_FATAL_SIGNALS", *v);
+  if (auto v = get("TINYDEV_DISK_IO"); v && !v->empty()) {
+    if (*v == "auto") out.disk_io_uring = true;
+    else if (*v == "pread") out.disk_io_uring = false;
+    else
+      throw InvalidArgument(fmt::format("TINYDEV_DISK_IO is {}; expected auto (io_uring where the kernel allows it, "
+                                        "else pread) or pread (never io_uring)",
+                                        quote_for_message(*v)));
+  }
   if (auto v = get("TINYDEV_CACHE_DIR"); v && !v->empty()) {
     out.cache_dir = parse_path("TINYDEV_CACHE_DIR", *v);
   } else {

@@ -159,6 +159,18 @@ Allocation Allocator::offset(Allocation, std::size_t, std::size_t) {
 
 std::optional<std::span<std::byte>> Allocator::as_buffer(Allocation) { return std::nullopt; }
 
+void Allocator::copy_from_disk(Allocation, FileReader&, const Allocation&, std::size_t) {
+  throw InvalidArgument(fmt::format("{} cannot read files into its memory (no copy_from_disk): use tinydev::copy, "
+                                    "which falls back to a copy through host memory",
+                                    describe()));
+}
+
+void Allocator::transfer(Allocation, Allocation, std::size_t, Compiled&, Compiled&) {
+  throw InvalidArgument(fmt::format("{} has no device-to-device transfer: use tinydev::copy, which falls back to a "
+                                    "copy through host memory",
+                                    describe()));
+}
+
 // ---- LRUAllocator ------------------------------------------------------------------------------
 
 // Note [LRU cache layout]
@@ -367,7 +379,8 @@ Allocation detail::alloc_host_memory(std::size_t size, std::string_view who) {
   void* p = nullptr;
   // posix_memalign never zero-fills; large sizes come from fresh mmap pages, which the kernel
   // zeroes lazily on first touch, so a fresh 64 MiB buffer costs no memset here.
-  if (::posix_memalign(&p, 64, size) != 0 || !p)
+  const std::size_t alignment = size >= 4096 ? 4096 : 64;
+  if (::posix_memalign(&p, alignment, size) != 0 || !p)
     throw OutOfMemory(fmt::format("{}: host allocation of {} bytes failed", who, size));
   return Allocation{reinterpret_cast<std::uintptr_t>(p), size, nullptr};
 }

@@ -1,5 +1,6 @@
-// The tinydev CLI: `tinydev devices` and `tinydev demo [DEVICE]`. Exit codes: 0 ok, 1 a failure
-// (device unavailable, wrong result), 2 a usage error.
+// The tinydev CLI: `tinydev devices`, `tinydev demo [DEVICE]` and `tinydev load FILE [DEVICE]`.
+// Exit codes: 0 ok, 1 a failure (device unavailable, wrong result, a bad or unreadable file), 2 a
+// usage error.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -10,6 +11,9 @@
 #include <cstring>
 #include <random>
 #include <vector>
+
+#include <fcntl.h>
+#include <unistd.h>
 
 #include "demo_kernels.hpp"
 #include "tinydev/tinydev.hpp"
@@ -22,6 +26,11 @@ constexpr const char* kUsage =
     "  demo [DEVICE]    compile an add kernel, run it on random data, check it against the CPU,\n"
     "                   print compile times (cold, cached), kernel time and GB/s\n"
     "                   (DEVICE defaults to the default device: TINYDEV_DEVICE, else CUDA, LLVM, CLANG)\n"
+    "  load FILE [DEVICE] [--verify]\n"
+    "                   load a safetensors file onto DEVICE (default: the default device) through a\n"
+    "                   DISK device, with a progress bar on a terminal (plain lines otherwise); print\n"
+    "                   tensors, bytes, seconds and GB/s; --verify reads every tensor back and\n"
+    "                   compares it with the file\n"
     "  --help           this text\n";
 
 int usage_error(const std::string& why) {
@@ -35,6 +44,10 @@ double seconds_since(std::chrono::steady_clock::time_point start) {
 
 int devices() {
   for (const std::string& type : tinydev::Device.backends()) {
+    if (tinydev::Device.suffix_kind(type) == tinydev::DeviceSuffix::path) {
+      fmt::print("{:<8} usable: each device is a file, {}:/path/to/file or {}:shm:name\n", type, type, type);
+      continue;
+    }
     try {
       tinydev::Compiled& dev = tinydev::Device[type];
       fmt::print("{:<8} usable\n", type);
@@ -127,6 +140,99 @@ int demo(const std::string& device_name) {
   return 0;
 }
 
+// The progress of a load: a bar redrawn in place on a terminal, else a line every tenth.
+class ProgressPrinter {
+ public:
+  explicit ProgressPrinter(bool terminal) : terminal_(terminal), start_(std::chrono::steady_clock::now()) {}
+  void operator()(const tinydev::LoadProgress& p) {
+    const double s = seconds_since(start_);
+    const double frac = p.bytes_total ? static_cast<double>(p.bytes_done) / static_cast<double>(p.bytes_total) : 1.0;
+    const double gbps = s > 0 ? static_cast<double>(p.bytes_done) / s / 1e9 : 0.0;
+    const double eta = frac > 0 && frac < 1 ? s / frac - s : 0.0;
+    if (terminal_) {
+      constexpr int kWidth = 30;
+      const int filled = static_cast<int>(frac * kWidth);
+      fmt::print("\r[{}{}] {:5.1f}% {:.2f}/{:.2f} GB {:.2f} GB/s ETA {:.1f} s  ", std::string(filled, '#'),
+                 std::string(kWidth - filled, '.'), frac * 100, p.bytes_done / 1e9, p.bytes_total / 1e9, gbps, eta);
+      std::fflush(stdout);
+      drawn_ = true;
+    } else if (const int tenth = static_cast<int>(frac * 10); tenth > last_tenth_ || p.tensors_done == p.tensors_total) {
+      if (tenth == last_tenth_) return;
+      last_tenth_ = tenth;
+      fmt::print("progress {:3d}% {} of {} bytes, {} of {} tensors, {:.2f} GB/s\n", tenth * 10, p.bytes_done,
+                 p.bytes_total, p.tensors_done, p.tensors_total, gbps);
+    }
+  }
+  void finish() {
+    if (drawn_) fmt::print("\n");
+  }
+
+ private:
+  bool terminal_, drawn_ = false;
+  int last_tenth_ = -1;
+  std::chrono::steady_clock::time_point start_;
+};
+
+// Compares each loaded tensor with the file's bytes (read with pread, not through DISK).
+std::size_t verify_against_file(const std::string& path, const tinydev::SafetensorsHeader& header,
+                                const std::vector<tinydev::LoadedTensor>& tensors) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) throw tinydev::IoError(fmt::format("--verify: cannot open {}: {}", path, std::strerror(errno)));
+  std::size_t wrong = 0;
+  std::vector<std::byte> expect, got;
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    const tinydev::SafetensorsTensor& t = header.tensors[i];
+    expect.resize(t.nbytes());
+    got.resize(t.nbytes());
+    std::size_t done = 0;
+    while (done < expect.size()) {
+      const ssize_t n = ::pread(fd, expect.data() + done, expect.size() - done,
+                                static_cast<off_t>(header.data_offset + t.begin + done));
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) {
+        ::close(fd);
+        throw tinydev::IoError(fmt::format("--verify: reading {} failed", path));
+      }
+      done += static_cast<std::size_t>(n);
+    }
+    if (t.nbytes() > 0) tensors[i].buffer.copyout(std::span<std::byte>(got));
+    if (got != expect) {
+      ++wrong;
+      fmt::print(stderr, "tinydev load: tensor {} differs from the file\n", tinydev::quote_for_message(t.name));
+    }
+  }
+  ::close(fd);
+  return wrong;
+}
+
+int load(const std::string& path, const std::string& device, bool verify) {
+  using namespace tinydev;
+  try {
+    const SafetensorsHeader header = read_safetensors_header(path);
+    ProgressPrinter printer(::isatty(STDOUT_FILENO) == 1);
+    const auto t0 = std::chrono::steady_clock::now();
+    std::vector<LoadedTensor> tensors = load_safetensors(path, device, std::ref(printer));
+    const double s = seconds_since(t0);
+    printer.finish();
+    std::uint64_t bytes = 0;
+    for (const SafetensorsTensor& t : header.tensors) bytes += t.nbytes();
+    fmt::print("loaded {} tensors, {} bytes onto {} in {:.3f} s ({:.2f} GB/s)\n", tensors.size(), bytes,
+               Device[device].name(), s, s > 0 ? static_cast<double>(bytes) / s / 1e9 : 0.0);
+    if (verify) {
+      if (const std::size_t wrong = verify_against_file(path, header, tensors)) {
+        fmt::print(stderr, "tinydev load: FAILED: {} of {} tensors differ from the file\n", wrong, tensors.size());
+        return 1;
+      }
+      fmt::print("verified: all {} tensors match the file\n", tensors.size());
+    }
+    return 0;
+  } catch (const Error& e) {
+    // A bad file or device state is the command's failure, not a usage error.
+    fmt::print(stderr, "tinydev load: {}\n", e.what());
+    return 1;
+  }
+}
+
 }  // namespace
 
 // Everything a command printed must have reached stdout, and a requested profile its file: a
@@ -184,6 +290,25 @@ static int run(const std::vector<std::string>& args) {
         device = tinydev::Device.default_device();
       }
       return demo(device);
+    }
+    if (args[0] == "load") {
+      std::vector<std::string> positional;
+      bool verify = false;
+      for (std::size_t i = 1; i < args.size(); ++i) {
+        if (args[i] == "--verify") verify = true;
+        else if (args[i].starts_with("--")) return usage_error(fmt::format("'load' has no option {}", args[i]));
+        else positional.push_back(args[i]);
+      }
+      if (positional.empty() || positional.size() > 2)
+        return usage_error("'load' takes a safetensors file and at most one device name");
+      std::string device;
+      try {
+        device = positional.size() == 2 ? tinydev::canonicalize(positional[1]) : tinydev::Device.default_device();
+        (void)tinydev::Device[device];  // an unknown or unusable device is said before the file is read
+      } catch (const tinydev::InvalidArgument& e) {
+        return usage_error(e.what());
+      }
+      return load(positional[0], device, verify);
     }
     return usage_error(fmt::format("unknown command '{}'", args[0]));
   } catch (const tinydev::InvalidArgument& e) {

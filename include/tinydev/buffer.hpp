@@ -114,4 +114,25 @@ class Buffer {
   std::shared_ptr<State> state_;
 };
 
+// How copy() moved the bytes (the seed's BufferCopy / BufferXfer choice).
+enum class CopyPath {
+  copy_from_disk,  // a file (DISK) read into the destination's staging ring, or straight into it
+  as_buffer,       // a file read into the destination's host-visible memory
+  transfer,        // a device-to-device copy between two devices of one backend
+  copyin,          // the source's bytes on the host (zero copy where it can), copied in
+};
+std::string_view to_string(CopyPath path) noexcept;
+
+// Copies all of `src` into `dest` (the seed's BufferCopy and BufferXfer), allocating `dest` if it
+// is not yet. The path, said at TINYDEV_DEBUG>=2:
+//  - from a file (DISK) into a device with copy_from_disk, at least 4 KiB: copy_from_disk;
+//  - from a file into host-visible memory: the file read straight into it (as_buffer);
+//  - between two devices of one backend that transfers (the HCQ devices): transfer;
+//  - else the source's bytes through the host (zero-copy where it can) and a copyin.
+// Sizes and dtypes must match and `src` must be allocated, or be a view of an allocated buffer
+// (InvalidArgument before a byte moves).
+// Returns once `src` may be changed again; `dest` is complete for the work queued after it on
+// dest's device, and for its copyout. Safe to call concurrently for distinct destinations.
+CopyPath copy(const Buffer& dest, const Buffer& src);
+
 }  // namespace tinydev

@@ -38,6 +38,7 @@ struct Settings {
   std::string cuda_driver;                      // TINYDEV_CUDA_DRIVER: the driver library; "" = libcuda.so.1
   bool cuda_ptx = false;                        // TINYDEV_CUDA_PTX: compile CUDA to PTX (driver JIT), not CUBIN
   bool fatal_signal_messages = true;            // TINYDEV_FATAL_SIGNALS: name the kernel a fatal signal hit
+  bool disk_io_uring = true;                    // TINYDEV_DISK_IO: auto (io_uring, else pread) or pread
 };
 
 // The current settings (environment + active overrides). Throws InvalidArgument on the first call

@@ -60,6 +60,13 @@ class ForkedDevice : public Error {
   using Error::Error;
 };
 
+// A read or write of a file failed: the operating system's error (named in the message), or a file
+// shorter than the range asked of it (DISK devices, safetensors files).
+class IoError : public Error {
+ public:
+  using Error::Error;
+};
+
 // A wait on the device or a signal ran past its deadline.
 class Timeout : public Error {
  public:

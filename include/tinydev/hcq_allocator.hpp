@@ -13,6 +13,7 @@
 #include <mutex>
 #include <optional>
 #include <span>
+#include <string>
 #include <string_view>
 #include <vector>
 
@@ -165,6 +166,45 @@ class HCQAllocator : public LRUAllocator {
     }
   }
 
+  // The seed's transfer through the Allocator interface (tinydev::copy between two devices of
+  // this backend): InvalidArgument unless both devices are this allocator's Device type.
+  bool supports_transfer() const noexcept override { return true; }
+  void transfer(Allocation dest, Allocation src, std::size_t size, Compiled& src_device,
+                Compiled& dest_device) override {
+    auto* from = dynamic_cast<Device*>(&src_device);
+    auto* to = dynamic_cast<Device*>(&dest_device);
+    if (!from || !to)
+      throw InvalidArgument(fmt::format("transfer from {} to {}: both devices must be of {}'s backend; copy through "
+                                        "host memory instead (tinydev::copy does)",
+                                        src_device.name(), dest_device.name(), describe()));
+    transfer(dest, src, size, *from, *to);
+  }
+
+  // Note [Disk reads into the staging ring]
+  // The seed's copy_from_disk: the file's reader (the DISK allocator) keeps several reads in
+  // flight, each into a free slot of the staging ring; as soon as one completes, the slot goes to
+  // the copy queue and is tagged with that copy's timeline value, so it is reused only once the
+  // copy ran (as copyin's slots). A slot being read is tagged kSlotTaken. Where device memory is
+  // host-visible and the device idle, the reader reads straight into the destination instead
+  // (one copy, not two; as copyin's direct path).
+  bool supports_copy_from_disk() const noexcept override { return true; }
+  void copy_from_disk(Allocation dest, FileReader& reader, const Allocation& src, std::size_t size) override {
+    detail::check_fits(size, dest, "copy_from_disk", describe());
+    device_.check_usable();
+    std::lock_guard lock(device_.submit_mutex());
+    const std::string what = fmt::format("DISK -> {}", device_.name());
+    if (host_visible_ && !force_staging_ && device_.idle()) {
+      const std::uint64_t start = device_.profiling() ? Profiler::now_ns() : 0;
+      reader.read_into(dest.host_ptr<std::byte>(), src, size);
+      if (start) Profiler::global().add({what, start, Profiler::now_ns(), device_.name(), "DMA"});
+      return;
+    }
+    ensure_ring();
+    HCQProfileScope<Device, typename Device::copy_queue_type> prof(device_, what, true);
+    RingSink sink(*this, dest);
+    reader.read_sharded(src, size, sink);
+  }
+
   bool supports_offset() const noexcept override { return true; }
   Allocation offset(Allocation base, std::size_t size, std::size_t offset) override {
     return detail::sub_allocation(base, size, offset, describe());
@@ -252,6 +292,50 @@ class HCQAllocator : public LRUAllocator {
     ring_timeline_.assign(batch_count_, 0);
     ring_ = std::move(ring);
   }
+
+  static constexpr std::uint64_t kSlotTaken = ~0ull;  // Note [Disk reads into the staging ring]
+
+  // The staging ring as a FileReader's sink, for one copy_from_disk (the submit lock held).
+  class RingSink final : public StagingSink {
+   public:
+    RingSink(HCQAllocator& allocator, Allocation dest) : a_(allocator), dest_(dest) {}
+    std::size_t slot_bytes() const noexcept override { return a_.batch_size_; }
+    std::optional<Slot> try_take() override {
+      const std::size_t i = (a_.next_ + 1) % a_.ring_.size();
+      const std::uint64_t tag = a_.ring_timeline_[i];
+      if (tag == kSlotTaken || tag > a_.device_.timeline_slot()->value.load(std::memory_order_acquire))
+        return std::nullopt;
+      return reserve(i);
+    }
+    Slot take() override {
+      const std::size_t i = (a_.next_ + 1) % a_.ring_.size();
+      if (a_.ring_timeline_[i] == kSlotTaken)
+        throw InvalidArgument("copy_from_disk: the file reader asked to wait for a staging slot it still reads into");
+      a_.device_.timeline_signal().wait(a_.ring_timeline_[i]);
+      return reserve(i);
+    }
+    void landed(Slot slot, std::size_t dest_offset, std::size_t data_offset, std::size_t size) override {
+      const Allocation& staged = a_.ring_[slot.index];
+      const std::uint64_t value = a_.device_.next_timeline_value();
+      a_.device_.copy_queue()
+          .wait(a_.device_.timeline_signal(), value - 1)
+          .copy(Allocation{dest_.va_addr + dest_offset, size, dest_.backend},
+                Allocation{staged.va_addr + data_offset, size, staged.backend}, size)
+          .signal(a_.device_.timeline_signal(), value)
+          .submit(a_.device_);
+      a_.ring_timeline_[slot.index] = value;
+    }
+    void abandon(Slot slot) noexcept override { a_.ring_timeline_[slot.index] = 0; }
+
+   private:
+    Slot reserve(std::size_t i) {
+      a_.ring_timeline_[i] = kSlotTaken;
+      a_.next_ = i;
+      return Slot{a_.ring_[i].template host_ptr<std::byte>(), i};
+    }
+    HCQAllocator& a_;
+    Allocation dest_;
+  };
 
   std::size_t batch_size_, batch_count_;
   bool host_visible_;

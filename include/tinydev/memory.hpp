@@ -30,6 +30,8 @@
 
 namespace tinydev {
 
+class Compiled;
+
 // How a buffer should be allocated (the seed's BufferOptions; its `image` field is omitted: tinydev
 // has no image dtypes). A hashable, comparable value.
 struct BufferOptions {
@@ -102,6 +104,50 @@ class LiveAllocations {
 };
 }  // namespace detail
 
+// ---- reading files into device memory (DISK, docs/disk.md) ---------------------------------------
+
+// Host memory a FileReader reads into, slot by slot: the staging ring of an HCQ allocator (Note
+// [Disk reads into the staging ring] in tinydev/hcq_allocator.hpp). Used by one reader on one
+// thread at a time (the caller of copy_from_disk holds the device's submit lock).
+class StagingSink {
+ public:
+  struct Slot {
+    std::byte* data = nullptr;  // slot_bytes() bytes of host memory
+    std::size_t index = 0;      // the sink's own number for it
+  };
+  virtual ~StagingSink() = default;
+  virtual std::size_t slot_bytes() const noexcept = 0;
+  // A slot nothing uses any more, reserved for the caller; nullopt when the next one is still
+  // read by queued copies. Never blocks.
+  virtual std::optional<Slot> try_take() = 0;
+  // The next slot, waiting for the copies that still read it. Only called while the reader has
+  // no read in flight (every slot it took has landed or been abandoned).
+  virtual Slot take() = 0;
+  // The `size` bytes at `data_offset` of `slot` are the destination's bytes at `dest_offset`:
+  // queue their copy. The slot is free again once that copy has run.
+  virtual void landed(Slot slot, std::size_t dest_offset, std::size_t data_offset, std::size_t size) = 0;
+  // A slot taken and never landed (its read failed): free at once.
+  virtual void abandon(Slot slot) noexcept = 0;
+};
+
+// The reading side of an allocator whose allocations are ranges of a file (the DISK allocator):
+// what copy() and copy_from_disk use to move its bytes without a detour through a mapping.
+// Thread safety: concurrent reads are allowed (each keeps its own reads in flight).
+class FileReader {
+ public:
+  virtual ~FileReader() = default;
+  // Reads the `size` bytes of `src` (an allocation of this reader's allocator, or a view of one)
+  // into host memory at `dest`. IoError when the file is shorter than the range, or a read fails;
+  // `dest` then holds part of the bytes.
+  virtual void read_into(std::byte* dest, const Allocation& src, std::size_t size) = 0;
+  // Reads the `size` bytes of `src` through `sink`'s slots, handing each slot to `sink.landed` as
+  // soon as its read completes, several reads in flight. On IoError every read has finished and
+  // every slot taken has landed or been abandoned.
+  virtual void read_sharded(const Allocation& src, std::size_t size, StagingSink& sink) = 0;
+  // How reads go right now, for messages: "io_uring, O_DIRECT where the range is not cached".
+  virtual std::string describe_reads() const = 0;
+};
+
 // The seed's Allocator: `alloc` validates and forwards to the backend's `alloc_impl`; `free`
 // checks the allocation against the record of what was handed out, then calls `free_impl`.
 class Allocator {
@@ -142,6 +188,21 @@ class Allocator {
   // Zero-copy host access to an allocation, where the memory is host memory; else nullopt.
   virtual std::optional<std::span<std::byte>> as_buffer(Allocation allocation);
 
+  // Files (DISK, docs/disk.md). A file-backed allocator returns its reader, the others nullptr.
+  virtual FileReader* file_reader() noexcept { return nullptr; }
+  // The seed's copy_from_disk: an allocator that can take `size` bytes of a file allocation
+  // (`reader`'s `src`) straight into `dest`, through its staging memory. Others return false and
+  // throw InvalidArgument from copy_from_disk.
+  virtual bool supports_copy_from_disk() const noexcept { return false; }
+  virtual void copy_from_disk(Allocation dest, FileReader& reader, const Allocation& src, std::size_t size);
+
+  // The seed's transfer: a device-to-device copy between two devices of this allocator's kind
+  // (`src` on src_device, `dest` on dest_device, both opened from this backend). Others return
+  // false and throw InvalidArgument.
+  virtual bool supports_transfer() const noexcept { return false; }
+  virtual void transfer(Allocation dest, Allocation src, std::size_t size, Compiled& src_device,
+                        Compiled& dest_device);
+
   // A short name for messages ("LLVM allocator").
   virtual std::string describe() const { return "allocator"; }
   // Called by a device being destroyed that owns this allocator (HCQCompiled's destructor): frees
@@ -164,7 +225,8 @@ class Allocator {
 };
 
 namespace detail {
-// 64-byte-aligned host memory, never zero-filled; OutOfMemory naming `who` when it fails.
+// Host memory, never zero-filled: 64-byte aligned, page aligned from one page up (so that O_DIRECT
+// file reads can land in it); OutOfMemory naming `who` when it fails.
 Allocation alloc_host_memory(std::size_t size, std::string_view who);
 void free_host_memory(const Allocation& allocation) noexcept;
 // `base` narrowed to `size` bytes at `offset` (a view); InvalidArgument naming `who` if it does not

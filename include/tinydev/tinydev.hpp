@@ -14,5 +14,6 @@
 #include "tinydev/memory.hpp"
 #include "tinydev/profile.hpp"
 #include "tinydev/registry.hpp"
+#include "tinydev/safetensors.hpp"
 #include "tinydev/signal.hpp"
 #include "tinydev/version.hpp"

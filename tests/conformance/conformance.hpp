@@ -5,6 +5,10 @@
 // (tinydev_add_backend's UNSUPPORTED_TESTS) is skipped with the reason (Note [Skips reach ctest]).
 #pragma once
 
+#include <unistd.h>
+
+#include <cctype>
+#include <filesystem>
 #include <optional>
 #include <string>
 #include <vector>
@@ -89,6 +93,26 @@ inline std::string declared_unsupported(const std::string& type) {
   return "";
 }
 
+// The device the suite opens for `type`: the type itself, or for a type whose names are paths
+// (DISK) a file of its own in a folder of this process under the temp folder, removed at exit.
+// All lowercase, so that the suite's checks of name spellings find the same device.
+inline std::string conformance_device_name(const std::string& type) {
+  if (Device.suffix_kind(type) != DeviceSuffix::path) return type;
+  struct Folder {
+    std::filesystem::path path = std::filesystem::temp_directory_path() /
+                                 ("tinydev-conformance-" + std::to_string(::getpid()));
+    Folder() { std::filesystem::create_directories(path); }
+    ~Folder() {
+      std::error_code ec;
+      std::filesystem::remove_all(path, ec);
+    }
+  };
+  static const Folder folder;
+  std::string file = type;
+  for (char& c : file) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return type + ":" + (folder.path / (file + ".bin")).string();
+}
+
 // Opens `type` for the current test, or skips it (saying why) and returns nullptr.
 inline Compiled* open_for_test(const std::string& type, const Needs& needs) {
   if (std::string why = declared_unsupported(type); !why.empty()) {
@@ -97,7 +121,7 @@ inline Compiled* open_for_test(const std::string& type, const Needs& needs) {
   }
   Compiled* dev = nullptr;
   try {
-    dev = &Device[type];
+    dev = &Device[conformance_device_name(type)];
   } catch (const DeviceUnavailable& e) {
     skip(type + " cannot open here: " + e.what());
     return nullptr;

@@ -1,0 +1,448 @@
+// DISK devices, tinydev::copy and safetensors (docs/disk.md): byte-exact copies from files into
+// every HCQ device (staged through the ring and read straight in, with io_uring and with pread),
+// the file's life cycle and errors, shared memory, concurrent appends, and safetensors files
+// written here and loaded back.
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+
+#include "hcq_support.hpp"
+#include "tinydev/safetensors.hpp"
+
+using namespace tinydev;
+using namespace tinydev::testing;
+
+namespace {
+
+void write_file(const std::string& path, std::span<const std::byte> bytes) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out.write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
+  REQUIRE(out.good());
+}
+
+std::vector<std::byte> read_back(const Buffer& b) {
+  std::vector<std::byte> out(b.nbytes());
+  b.copyout(out);
+  return out;
+}
+
+bool equal_at(const std::vector<std::byte>& got, const std::vector<std::byte>& data, std::size_t offset) {
+  return got.size() + offset <= data.size() && std::equal(got.begin(), got.end(), data.begin() + offset);
+}
+
+// The staging ring's default shape, put back by tests that change it.
+template <class Dev>
+struct StagingShapeRestore {
+  Dev& dev;
+  ~StagingShapeRestore() {
+    hcq_allocator(dev).set_force_staging(false);
+    hcq_allocator(dev).set_staging_shape(HCQAllocator<Dev>::kDefaultBatchSize, HCQAllocator<Dev>::kDefaultBatchCount);
+  }
+};
+
+}  // namespace
+
+TEST_CASE("disk: copies from a file are byte-exact at offsets 314 991 2048 4096 and 64 MiB at 0 and 551", "[disk]") {
+  for_each_hcq_device([](auto& dev) {
+    TempDir dir;
+    const std::uint64_t seed = fresh_seed();
+    INFO("seed " << seed);
+    const auto data = random_bytes((64u << 20) + 551 + 3 * 4096 + 77, seed);
+    const std::string path = dir.str() + "/weights.bin";
+    write_file(path, data);
+    StagingShapeRestore<std::remove_reference_t<decltype(dev)>> restore{dev};
+    struct Case {
+      std::size_t offset, size;
+    };
+    const Case cases[] = {{314, 4096 + 17}, {991, 3 * 4096 + 5}, {2048, 4096}, {4096, 5 * 4096 + 1},
+                          {0, 64u << 20}, {551, 64u << 20}};
+    for (const char* io : {"auto", "pread"}) {
+      ScopedOverride method("TINYDEV_DISK_IO", io);
+      for (bool staged : {false, true}) {
+        hcq_allocator(dev).set_force_staging(staged);
+        Buffer file("DISK:" + path, data.size(), dtypes::uint8);
+        file.allocate();
+        for (const Case& c : cases) {
+          INFO(io << (staged ? " staged" : " direct") << ": offset " << c.offset << ", " << c.size << " bytes");
+          Buffer dst(dev.name(), c.size, dtypes::uint8);
+          CHECK(copy(dst, file.view(c.size, dtypes::uint8, c.offset)) == CopyPath::copy_from_disk);
+          CHECK(equal_at(read_back(dst), data, c.offset));
+        }
+      }
+    }
+    // A ring of three one-page slots turns over many times; slots under a page read unaligned.
+    for (const auto [slot, count] : {std::pair<std::size_t, std::size_t>{8192, 3}, {1000, 4}}) {
+      INFO("ring of " << count << " x " << slot << " bytes");
+      hcq_allocator(dev).set_staging_shape(slot, count);
+      hcq_allocator(dev).set_force_staging(true);
+      Buffer file("DISK:" + path, data.size(), dtypes::uint8);
+      Buffer dst(dev.name(), (1u << 20) + 13, dtypes::uint8);
+      copy(dst, file.allocate().view((1u << 20) + 13, dtypes::uint8, 991));
+      CHECK(equal_at(read_back(dst), data, 991));
+    }
+  }, Needs{});
+}
+
+TEST_CASE("disk: copy picks the seed's path and checks sizes and dtypes before a byte moves", "[disk]") {
+  for_each_hcq_device([](auto& dev) {
+    TempDir dir;
+    const std::uint64_t seed = fresh_seed();
+    INFO("seed " << seed);
+    const auto data = random_bytes(3 * 4096, seed);
+    const std::string path = dir.str() + "/small.bin";
+    write_file(path, data);
+    Buffer file("DISK:" + path, data.size(), dtypes::uint8);
+    file.allocate();
+    // Under 4 KiB: read into the destination's host memory (or through the host where it has none).
+    Buffer small(dev.name(), 1000, dtypes::uint8);
+    const CopyPath small_path = copy(small, file.view(1000, dtypes::uint8, 17));
+    CHECK(small_path == (dev.capabilities().host_visible_memory ? CopyPath::as_buffer : CopyPath::copyin));
+    CHECK(equal_at(read_back(small), data, 17));
+    // Device to device of one backend: transfer.
+    const auto fresh = random_bytes(8192, seed + 1);
+    Buffer a(dev.name(), 2048, dtypes::float32), b(dev.name(), 2048, dtypes::float32);
+    a.allocate().copyin(fresh);
+    CHECK(copy(b, a) == CopyPath::transfer);
+    CHECK(read_back(b) == fresh);
+    // Host memory of another backend (NULL) to the device: through the host.
+    Buffer host("NULL", 2048, dtypes::float32);
+    host.allocate().copyin(fresh);
+    Buffer c(dev.name(), 2048, dtypes::float32);
+    CHECK(copy(c, host) == CopyPath::copyin);
+    CHECK(read_back(c) == fresh);
+    // The device into a file: a copyin of the file (a write); file to file likewise.
+    const std::string out_path = dir.str() + "/out.bin";
+    Buffer out("DISK:" + out_path, 2048, dtypes::float32);
+    CHECK(copy(out, c) == CopyPath::copyin);
+    CHECK(read_back(out) == fresh);
+    Buffer out2("DISK:" + dir.str() + "/out2.bin", 2048, dtypes::float32);
+    CHECK(copy(out2, out) == CopyPath::copyin);
+    CHECK(read_back(out2) == fresh);
+    // Mismatched sizes or dtypes, and an unallocated source, move nothing.
+    Buffer wrong_size(dev.name(), 2047, dtypes::float32), wrong_dtype(dev.name(), 2048, dtypes::int32);
+    CHECK_THROWS_AS(copy(wrong_size, a), InvalidArgument);
+    CHECK_FALSE(wrong_size.is_allocated());
+    CHECK_THROWS_WITH(copy(wrong_dtype, a), Catch::Contains("dtypes must match"));
+    CHECK_THROWS_WITH(copy(b, Buffer(dev.name(), 2048, dtypes::float32)), Catch::Contains("unallocated"));
+    CHECK(read_back(b) == fresh);
+  }, Needs{});
+}
+
+TEST_CASE("disk: a file shorter than asked is an IoError that leaves the device and ring working", "[disk]") {
+  for_each_hcq_device([](auto& dev) {
+    TempDir dir;
+    const std::uint64_t seed = fresh_seed();
+    INFO("seed " << seed);
+    const auto data = random_bytes(10000, seed);
+    const std::string path = dir.str() + "/short.bin";
+    write_file(path, data);
+    StagingShapeRestore<std::remove_reference_t<decltype(dev)>> restore{dev};
+    for (bool staged : {false, true}) {
+      hcq_allocator(dev).set_force_staging(staged);
+      Buffer file("DISK:" + path, 3 * 10000, dtypes::uint8);  // the file holds a third of it
+      file.allocate();
+      Buffer dst(dev.name(), 3 * 10000, dtypes::uint8);
+      CHECK_THROWS_AS(copy(dst, file), IoError);
+      CHECK_THROWS_WITH(copy(dst, file), Catch::Contains("shorter"));
+      std::vector<std::byte> host(3 * 10000);
+      CHECK_THROWS_AS(file.copyout(host), IoError);
+      CHECK_THROWS_AS(file.as_buffer(true), IoError);
+      // What the file does hold still copies, and the ring still works.
+      Buffer part(dev.name(), 9000, dtypes::uint8);
+      copy(part, file.view(9000, dtypes::uint8, 1000));
+      CHECK(equal_at(read_back(part), data, 1000));
+      const auto more = random_bytes((2u << 20) + 5, seed + 1);
+      Buffer staged_copy(dev.name(), more.size(), dtypes::uint8);
+      staged_copy.allocate().copyin(more);
+      CHECK(read_back(staged_copy) == more);
+    }
+  }, Needs{});
+}
+
+TEST_CASE("disk: reading while another process appends to the file does not crash and reads what was there",
+          "[disk]") {
+  for_each_hcq_device([](auto& dev) {
+    TempDir dir;
+    const std::uint64_t seed = fresh_seed();
+    INFO("seed " << seed);
+    const auto data = random_bytes(4u << 20, seed);
+    const std::string path = dir.str() + "/growing.bin";
+    write_file(path, data);
+    const auto tail = random_bytes(64u << 10, seed + 1);
+    const pid_t child = ::fork();
+    REQUIRE(child >= 0);
+    if (child == 0) {  // only system calls here: the child of a threaded process
+      const int fd = ::open(path.c_str(), O_WRONLY | O_APPEND);
+      for (int i = 0; fd >= 0 && i < 400; ++i)
+        if (::write(fd, tail.data(), tail.size()) != static_cast<ssize_t>(tail.size())) ::_exit(2);
+      ::_exit(fd >= 0 ? 0 : 1);
+    }
+    for (int i = 0; i < 20; ++i) {
+      Buffer file("DISK:" + path, data.size(), dtypes::uint8);
+      Buffer dst(dev.name(), data.size(), dtypes::uint8);
+      copy(dst, file.allocate());
+      CHECK(read_back(dst) == data);
+    }
+    int status = 0;
+    REQUIRE(::waitpid(child, &status, 0) == child);
+    CHECK(WIFEXITED(status));
+    CHECK(WEXITSTATUS(status) == 0);
+  }, Needs{});
+}
+
+TEST_CASE("disk: views of views take absolute offsets, writes create and grow the file, reopening larger is an error",
+          "[disk][host]") {
+  TempDir dir;
+  const std::uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  const std::string path = dir.str() + "/new.bin";
+  const std::string name = "DISK:" + path;
+  {
+    Buffer b(name, 10000, dtypes::uint8);
+    b.allocate();
+    CHECK_FALSE(std::filesystem::exists(path));  // nothing is created until a write
+    std::vector<std::byte> host(10000);
+    CHECK_THROWS_WITH(b.copyout(host), Catch::Contains("no such file"));
+    Buffer vv = b.view(5000, dtypes::uint8, 1000).view(100, dtypes::uint8, 200);
+    CHECK(vv.offset() == 1200);
+    const auto patch = random_bytes(100, seed);
+    vv.allocate().copyin(patch);
+    CHECK(std::filesystem::file_size(path) == 1300);  // created, grown to the end of the write
+    CHECK(read_back(vv) == patch);
+    CHECK_THROWS_AS(b.copyout(host), IoError);  // 10000 asked, 1300 there
+    const auto whole = random_bytes(10000, seed + 1);
+    b.copyin(whole);
+    CHECK(read_back(b) == whole);
+    CHECK(read_back(vv) == std::vector<std::byte>(whole.begin() + 1200, whole.begin() + 1300));
+    // Zero copy through the mapping sees the writes.
+    HostBytes window = b.as_buffer(true, true);
+    CHECK(window.is_zero_copy());
+    CHECK(std::equal(whole.begin(), whole.end(), window.data()));
+    // As the seed: a second buffer may not ask for more than the first opened.
+    Buffer larger(name, 20000, dtypes::uint8);
+    CHECK_THROWS_WITH(larger.allocate(), Catch::Contains("larger"));
+    CHECK_FALSE(larger.is_allocated());
+    Buffer same(name, 10000, dtypes::uint8);
+    CHECK(read_back(same.allocate()) == whole);
+  }
+  // Every buffer gone, the file closed: now it may be opened larger.
+  Buffer larger(name, 20000, dtypes::uint8);
+  larger.allocate();
+  CHECK(std::filesystem::file_size(path) == 10000);
+  CHECK_THROWS_AS(Buffer("DISK", 16, dtypes::uint8).allocate(), InvalidArgument);
+  CHECK_THROWS_WITH(Buffer("DISK:" + dir.str(), 16, dtypes::uint8).allocate(), Catch::Contains("folder"));
+  CHECK(Device[name].capabilities() == DeviceCapabilities{});
+  CHECK_THROWS_AS(Device[name].runtime().load("k", {}), InvalidArgument);
+}
+
+TEST_CASE("disk: DISK buffers are not counted in mem_used", "[disk][host]") {
+  TempDir dir;
+  const auto before = GlobalCounters::mem_used.load();
+  Buffer b("DISK:" + dir.str() + "/counted.bin", 1u << 20, dtypes::uint8);
+  b.allocate().copyin(random_bytes(1u << 20, fresh_seed()));
+  CHECK(GlobalCounters::mem_used.load() == before);
+}
+
+TEST_CASE("disk: a read-only file opens read-only and a write to it is a clear error", "[disk][host]") {
+  TempDir dir;
+  const std::uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  const auto data = random_bytes(8192, seed);
+  const std::string path = dir.str() + "/readonly.bin";
+  write_file(path, data);
+  ::chmod(path.c_str(), 0444);
+  ::chmod(dir.str().c_str(), 0755);
+  const auto check = [&] {
+    Buffer file("DISK:" + path, data.size(), dtypes::uint8);
+    file.allocate();
+    CHECK(read_back(file) == data);
+    CHECK_THROWS_WITH(file.copyin(data), Catch::Contains("read-only"));
+    CHECK(read_back(file) == data);
+  };
+  if (::geteuid() != 0) return check();
+  // root opens anything for writing: the check runs in a child that gave root up.
+  const pid_t child = ::fork();
+  REQUIRE(child >= 0);
+  if (child == 0) {
+    int rc = 1;
+    try {
+      if (::setgid(65534) == 0 && ::setuid(65534) == 0) {
+        Buffer file("DISK:" + path, data.size(), dtypes::uint8);
+        file.allocate();
+        std::vector<std::byte> back(data.size());
+        file.copyout(back);
+        rc = back == data ? 3 : 4;
+        try {
+          file.copyin(data);
+        } catch (const InvalidArgument& e) {
+          if (std::strstr(e.what(), "read-only")) rc = 0;
+        }
+      }
+    } catch (...) {
+      rc = 5;
+    }
+    ::_exit(rc);
+  }
+  int status = 0;
+  REQUIRE(::waitpid(child, &status, 0) == child);
+  REQUIRE(WIFEXITED(status));
+  CHECK(WEXITSTATUS(status) == 0);
+}
+
+TEST_CASE("disk: shared-memory devices are created by a write and read back", "[disk]") {
+  for_each_hcq_device([](auto& dev) {
+    const std::uint64_t seed = fresh_seed();
+    INFO("seed " << seed);
+    const std::string shm = "tinydev-test-" + std::to_string(::getpid()) + "-" + std::to_string(seed % 1000000);
+    const auto data = random_bytes((1u << 20) + 4096 * 3, seed);
+    {
+      Buffer b("DISK:shm:" + shm, data.size(), dtypes::uint8);
+      b.allocate().copyin(data);
+      CHECK(read_back(b) == data);
+      Buffer same("DISK:shm:/" + shm, data.size(), dtypes::uint8);  // the same object, a leading '/' or not
+      CHECK(read_back(same.allocate()) == data);
+      for (bool staged : {false, true}) {
+        hcq_allocator(dev).set_force_staging(staged);
+        Buffer dst(dev.name(), (1u << 20) + 1, dtypes::uint8);
+        CHECK(copy(dst, b.view((1u << 20) + 1, dtypes::uint8, 4097)) == CopyPath::copy_from_disk);
+        CHECK(equal_at(read_back(dst), data, 4097));
+      }
+      hcq_allocator(dev).set_force_staging(false);
+    }
+    ::shm_unlink(("/" + shm).c_str());
+    CHECK_THROWS_AS(Buffer("DISK:shm:a/b", 1, dtypes::uint8).allocate(), InvalidArgument);
+  }, Needs{});
+}
+
+// ---- safetensors ----------------------------------------------------------------------------------
+
+TEST_CASE("disk: a safetensors file of every dtype and many shapes loads equal to what was written", "[disk]") {
+  for_each_hcq_device([](auto& dev) {
+    TempDir dir;
+    std::uint64_t seed = fresh_seed();
+    INFO("seed " << seed);
+    const DType kinds[] = {dtypes::bool_,   dtypes::uint8,  dtypes::int8,    dtypes::int16, dtypes::uint16,
+                           dtypes::float16, dtypes::bfloat16, dtypes::int32, dtypes::uint32, dtypes::float32,
+                           dtypes::float64, dtypes::int64,  dtypes::uint64};
+    const std::vector<std::vector<std::uint64_t>> shapes = {{}, {0}, {1}, {7}, {3, 5}, {2, 3, 4}, {1, 1, 1, 1, 1},
+                                                            {1000, 33}};
+    std::vector<std::vector<std::byte>> bytes;
+    std::vector<SafetensorsEntry> entries;
+    for (const DType& dt : kinds)
+      for (const auto& shape : shapes) {
+        std::uint64_t n = 1;
+        for (auto d : shape) n *= d;
+        bytes.push_back(random_bytes(n * dt.itemsize, ++seed));
+        if (dt == dtypes::bool_)
+          for (std::byte& b : bytes.back()) b &= std::byte{1};
+      }
+    std::size_t i = 0;
+    for (const DType& dt : kinds)
+      for (const auto& shape : shapes) {
+        entries.push_back({fmt::format("{}.{}", safetensors_dtype_name(dt), i), dt, shape, bytes[i]});
+        ++i;
+      }
+    const std::string path = dir.str() + "/model.safetensors";
+    write_safetensors(path, entries, {{"format", "pt"}});
+    CHECK(read_safetensors_header(path).metadata.at("format") == "pt");
+    std::uint64_t last_bytes = 0, calls = 0;
+    LoadProgress final_progress;
+    const auto tensors = load_safetensors(path, dev.name(), [&](const LoadProgress& p) {
+      CHECK(p.bytes_done >= last_bytes);
+      last_bytes = p.bytes_done;
+      ++calls;
+      final_progress = p;
+    });
+    REQUIRE(tensors.size() == entries.size());
+    CHECK(final_progress.bytes_done == final_progress.bytes_total);
+    CHECK(final_progress.tensors_done == entries.size());
+    CHECK(calls > entries.size());
+    for (std::size_t k = 0; k < entries.size(); ++k) {
+      INFO(entries[k].name);
+      CHECK(tensors[k].name == entries[k].name);  // file order is the order written
+      CHECK(tensors[k].shape == entries[k].shape);
+      CHECK(tensors[k].buffer.dtype() == entries[k].dtype);
+      CHECK(tensors[k].buffer.device() == dev.name());
+      if (bytes[k].empty()) {
+        CHECK_FALSE(tensors[k].buffer.is_allocated());
+        continue;
+      }
+      CHECK(read_back(tensors[k].buffer) == bytes[k]);
+    }
+    // A tensor larger than the progress step (32 MiB) reports progress within it.
+    const auto big = random_bytes((40u << 20) + 4, ++seed);
+    const SafetensorsEntry one[] = {{"big", dtypes::float32, {(40u << 18) + 1}, big}};
+    write_safetensors(path, one);
+    calls = 0;
+    const auto loaded = load_safetensors(path, dev.name(), [&](const LoadProgress&) { ++calls; });
+    CHECK(calls >= 3);
+    CHECK(read_back(loaded.at(0).buffer) == big);
+  }, Needs{});
+}
+
+TEST_CASE("disk: malformed and hostile safetensors headers fail cleanly", "[disk][host]") {
+  const auto file = [](std::string json, std::string data = {}, std::optional<std::uint64_t> claimed = {}) {
+    std::string out(8, '\0');
+    const std::uint64_t n = claimed.value_or(json.size());
+    for (int i = 0; i < 8; ++i) out[i] = static_cast<char>(n >> (8 * i));
+    return out + json + data;
+  };
+  const auto parse = [](const std::string& f) {
+    return parse_safetensors_header(std::as_bytes(std::span(f.data(), f.size())), f.size(), "test file");
+  };
+  const std::string t = R"("a":{"dtype":"U8","shape":[2],"data_offsets":[0,2]})";
+  CHECK(parse(file("{" + t + "}", "xy")).tensors.size() == 1);
+  CHECK(parse(file("{" + t + "}   ", "xy")).tensors.size() == 1);  // padding spaces
+  struct Bad {
+    std::string file, message;
+  };
+  const Bad bad[] = {
+      {"short", "too short"},
+      {file("{}", "", 1ull << 62), "claims"},
+      {file("{}", "", 200'000'000), "claims"},
+      {file("[]"), "start with '{'"},
+      {file("{" + t, "xy"), "not valid JSON"},
+      {file("{" + t + "}x", "xy"), "not valid JSON"},
+      {file("{" + t + "," + t + "}", "xy"), "twice"},
+      {file(R"({"a":[[[[[[[[1]]]]]]]]})"), "deeper"},
+      {file(std::string(1, '{') + std::string(100000, '[')), "deeper"},
+      {file(R"({"a":{"dtype":"F8_E4M3","shape":[1],"data_offsets":[0,1]}})", "x"), "no tinydev dtype"},
+      {file(R"({"a":{"dtype":"Q4","shape":[1],"data_offsets":[0,1]}})", "x"), "not a safetensors dtype"},
+      {file(R"({"a":{"dtype":"U8","shape":[-1],"data_offsets":[0,1]}})", "x"), "non-negative"},
+      {file(R"({"a":{"dtype":"U8","shape":[1.5],"data_offsets":[0,1]}})", "x"), "non-negative"},
+      {file(R"({"a":{"dtype":"U8","shape":[4294967296,4294967296],"data_offsets":[0,1]}})", "x"), "overflows"},
+      {file(R"({"a":{"dtype":"U8","shape":[2],"data_offsets":[0,3]}})", "xyz"), "hold 3"},
+      {file(R"({"a":{"dtype":"U8","shape":[2],"data_offsets":[2,0]}})", "xy"), "not a range"},
+      {file(R"({"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]}})", "xy"), "not a range"},
+      {file(R"({"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},"b":{"dtype":"U8","shape":[2],"data_offsets":[0,2]}})", "xy"), "overlap"},
+      {file(R"({"a":{"dtype":"U8","shape":[1],"data_offsets":[1,2]}})", "xy"), "gap"},
+      {file("{" + t + "}", "xyz"), "no tensor names"},
+      {file(R"({"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2],"extra":1}})", "xy"), "unknown field"},
+      {file(R"({"a":{"dtype":"U8","shape":[2]}})", "xy"), "lacks"},
+      {file(R"({"a":7})"), "not an object"},
+      {file(R"({"__metadata__":{"k":1}})"), "not a string"},
+      {file("{\"a\xff\":1}"), "not valid JSON"},
+  };
+  for (const Bad& b : bad) {
+    INFO(quote_for_message(b.file, 80));
+    CHECK_THROWS_AS(parse(b.file), InvalidArgument);
+    CHECK_THROWS_WITH(parse(b.file), Catch::Contains(b.message));
+  }
+  // From a file: a header length the file cannot hold is refused before anything is allocated,
+  // and a load of a bad file leaves nothing behind.
+  TempDir dir;
+  const std::string path = dir.str() + "/hostile.safetensors";
+  const std::string hostile = file("{}", "", ~0ull);
+  write_file(path, std::as_bytes(std::span(hostile.data(), hostile.size())));
+  CHECK_THROWS_WITH(read_safetensors_header(path), Catch::Contains("claims"));
+  const auto used = GlobalCounters::mem_used.load();
+  CHECK_THROWS_AS(load_safetensors(path, "NULL"), InvalidArgument);
+  CHECK(GlobalCounters::mem_used.load() == used);
+  CHECK_THROWS_AS(read_safetensors_header(dir.str() + "/missing.safetensors"), IoError);
+}
