@@ -580,7 +580,8 @@ int main(int argc, char** argv) {
         {"cache_bound", bench_cache_bound},
         {"hostile", bench_hostile_entries},
         {"cpu_speed", [&] { bench::bench_cpu_speed(row, exe); }},
-        {"serving", [&] { bench::bench_serving(row); }}};
+        {"serving", [&] { bench::bench_serving(row); }},
+        {"disk", [&] { bench::bench_disk(row); }}};
     for (const auto& [name, run] : sections)
       if (only.empty() || ("," + only + ",").find("," + name + ",") != std::string::npos) run();
     int missed = 0;

@@ -53,6 +53,8 @@ int child_handoff(const std::string& mode);
 int child_open(const std::string& device);
 // bench_serving.cpp: streams and events (docs/serving.md).
 void bench_serving(const RowFn& row);
+// bench_disk.cpp: DISK reads and load_safetensors (docs/disk.md).
+void bench_disk(const RowFn& row);
 
 // p50 and p99 of latency samples.
 struct Percentiles {

@@ -196,6 +196,54 @@ TEST_CASE("disk: reading while another process appends to the file does not cras
   }, Needs{});
 }
 
+TEST_CASE("disk: reading while another process truncates and rewrites the file is the bytes or an IoError, never a "
+          "crash",
+          "[disk]") {
+  for_each_hcq_device([](auto& dev) {
+    TempDir dir;
+    const std::uint64_t seed = fresh_seed();
+    INFO("seed " << seed);
+    const auto data = random_bytes(8u << 20, seed);
+    const std::string path = dir.str() + "/shrinking.bin";
+    write_file(path, data);
+    const pid_t child = ::fork();
+    REQUIRE(child >= 0);
+    if (child == 0) {  // only system calls here: the child of a threaded process
+      const int fd = ::open(path.c_str(), O_WRONLY);
+      for (int i = 0; fd >= 0 && i < 300; ++i) {
+        if (::ftruncate(fd, static_cast<off_t>(i % 3) << 20) != 0) ::_exit(2);
+        if (::pwrite(fd, data.data(), data.size(), 0) != static_cast<ssize_t>(data.size())) ::_exit(3);
+      }
+      ::_exit(fd >= 0 ? 0 : 1);
+    }
+    StagingShapeRestore<std::remove_reference_t<decltype(dev)>> restore{dev};
+    int copied = 0, refused = 0;
+    for (int i = 0; i < 60; ++i) {
+      hcq_allocator(dev).set_force_staging(i % 2 == 1);
+      Buffer file("DISK:" + path, data.size(), dtypes::uint8);
+      Buffer dst(dev.name(), data.size(), dtypes::uint8);
+      try {
+        copy(dst, file.allocate());
+        ++copied;
+      } catch (const IoError& e) {
+        CHECK_THAT(e.what(), Catch::Contains("shorter") || Catch::Contains("shrank") || Catch::Contains("ended"));
+        ++refused;
+      }
+    }
+    int status = 0;
+    REQUIRE(::waitpid(child, &status, 0) == child);
+    CHECK(WIFEXITED(status));
+    CHECK(WEXITSTATUS(status) == 0);
+    CHECK(copied + refused == 60);
+    // The file whole again: the device and its ring work.
+    write_file(path, data);
+    Buffer file("DISK:" + path, data.size(), dtypes::uint8);
+    Buffer dst(dev.name(), data.size(), dtypes::uint8);
+    copy(dst, file.allocate());
+    CHECK(read_back(dst) == data);
+  }, Needs{});
+}
+
 TEST_CASE("disk: views of views take absolute offsets, writes create and grow the file, reopening larger is an error",
           "[disk][host]") {
   TempDir dir;
