@@ -2,11 +2,16 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <new>
 
 #include <unistd.h>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 #include "tinydev/config.hpp"
 #include "tinydev/error.hpp"
@@ -386,6 +391,74 @@ Allocation detail::alloc_host_memory(std::size_t size, std::string_view who) {
 }
 
 void detail::free_host_memory(const Allocation& allocation) noexcept { std::free(allocation.host_ptr()); }
+
+// Note [Streaming copies]
+// A large copy into memory nobody reads soon (a staging-ring chunk landing in device memory, a
+// tensor read from a file) should not pull every destination line into the cache first: regular
+// stores read each line before writing it (read-for-ownership), doubling the memory traffic.
+// Non-temporal stores skip that. glibc's memcpy streams only above a threshold sized by the
+// last-level cache (99 MiB on a VM reporting a 260 MiB L3), which such copies do not reach, and
+// below it runs at about half the speed on them. So: 32-byte AVX2 streaming stores where the CPU
+// has them (about 25% faster than SSE2's on a 1 GiB copy here), else 16-byte SSE2 ones (every
+// x86-64), then one store fence, since streaming stores are weakly ordered and whoever is told
+// the bytes landed must see them. Elsewhere, memcpy.
+namespace {
+#if defined(__x86_64__)
+// Both copy the unaligned head with memcpy, stream whole 4-vector blocks, and leave the tail to
+// the caller (written out twice: a lambda would not inherit the AVX2 target).
+__attribute__((target("avx2"))) std::size_t stream_avx2(std::byte* dest, const std::byte* src, std::size_t size) {
+  const std::size_t head = std::min(size, (32 - reinterpret_cast<std::uintptr_t>(dest) % 32) % 32);
+  std::memcpy(dest, src, head);
+  std::size_t i = head;
+  for (; i + 128 <= size; i += 128) {
+    const auto* s = reinterpret_cast<const __m256i*>(src + i);
+    auto* d = reinterpret_cast<__m256i*>(dest + i);
+    const __m256i a = _mm256_loadu_si256(s), b = _mm256_loadu_si256(s + 1), c = _mm256_loadu_si256(s + 2),
+                  e = _mm256_loadu_si256(s + 3);
+    _mm256_stream_si256(d, a);
+    _mm256_stream_si256(d + 1, b);
+    _mm256_stream_si256(d + 2, c);
+    _mm256_stream_si256(d + 3, e);
+  }
+  return i;
+}
+
+std::size_t stream_sse2(std::byte* dest, const std::byte* src, std::size_t size) {
+  const std::size_t head = std::min(size, (16 - reinterpret_cast<std::uintptr_t>(dest) % 16) % 16);
+  std::memcpy(dest, src, head);
+  std::size_t i = head;
+  for (; i + 64 <= size; i += 64) {
+    const auto* s = reinterpret_cast<const __m128i*>(src + i);
+    auto* d = reinterpret_cast<__m128i*>(dest + i);
+    const __m128i a = _mm_loadu_si128(s), b = _mm_loadu_si128(s + 1), c = _mm_loadu_si128(s + 2),
+                  e = _mm_loadu_si128(s + 3);
+    _mm_stream_si128(d, a);
+    _mm_stream_si128(d + 1, b);
+    _mm_stream_si128(d + 2, c);
+    _mm_stream_si128(d + 3, e);
+  }
+  return i;
+}
+
+bool has_avx2() noexcept {
+  static const bool has = [] {
+    __builtin_cpu_init();  // callable before static constructors ran
+    return __builtin_cpu_supports("avx2") != 0;
+  }();
+  return has;
+}
+#endif
+}  // namespace
+
+void detail::streaming_copy(std::byte* dest, const std::byte* src, std::size_t size) noexcept {
+#if defined(__x86_64__)
+  const std::size_t streamed = has_avx2() ? stream_avx2(dest, src, size) : stream_sse2(dest, src, size);
+  std::memcpy(dest + streamed, src + streamed, size - streamed);
+  _mm_sfence();
+#else
+  std::memcpy(dest, src, size);
+#endif
+}
 
 Allocation detail::sub_allocation(const Allocation& base, std::size_t size, std::size_t offset, std::string_view who) {
   if (offset > base.size || size > base.size - offset)

@@ -30,9 +30,6 @@
 #ifdef TINYDEV_HAVE_LIBURING
 #include <liburing.h>
 #endif
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
 
 #include "tinydev/config.hpp"
 #include "tinydev/counters.hpp"
@@ -319,66 +316,6 @@ void on_sigbus(int sig, siginfo_t* info, void* context) {
   }
 }
 
-// Note [Streaming copies]
-// glibc's memcpy switches to non-temporal stores only above a threshold sized by the last-level
-// cache (99 MiB on a machine with a 260 MiB L3), and below it runs at about half the speed on a
-// copy that leaves every cache anyway: a 16 MiB tensor of a 1 GiB model is such a copy. Copies
-// of the file from 4 MiB up therefore stream: 16-byte loads and non-temporal stores (SSE2, every
-// x86-64), then one fence so the bytes are visible before anyone is told they landed. Elsewhere,
-// memcpy.
-#if defined(__x86_64__)
-// The same with 32-byte AVX2 stores, where the CPU has them (about 25% faster than SSE2's).
-__attribute__((target("avx2"))) void stream_copy_avx2(std::byte* dest, const std::byte* src, std::size_t size) {
-  const std::size_t head = (32 - (reinterpret_cast<std::uintptr_t>(dest) & 31)) & 31;
-  std::memcpy(dest, src, head);
-  dest += head;
-  src += head;
-  size -= head;
-  auto* d = reinterpret_cast<__m256i*>(dest);
-  const auto* s = reinterpret_cast<const __m256i*>(src);
-  const std::size_t blocks = size / 128;
-  for (std::size_t i = 0; i < blocks; ++i, d += 4, s += 4) {
-    const __m256i a = _mm256_loadu_si256(s), b = _mm256_loadu_si256(s + 1), c = _mm256_loadu_si256(s + 2),
-                  e = _mm256_loadu_si256(s + 3);
-    _mm256_stream_si256(d, a);
-    _mm256_stream_si256(d + 1, b);
-    _mm256_stream_si256(d + 2, c);
-    _mm256_stream_si256(d + 3, e);
-  }
-  _mm_sfence();
-  std::memcpy(dest + blocks * 128, src + blocks * 128, size - blocks * 128);
-}
-const bool g_has_avx2 = __builtin_cpu_supports("avx2");
-#endif
-
-void stream_copy(std::byte* dest, const std::byte* src, std::size_t size) {
-#if defined(__x86_64__)
-  if (size >= (4u << 20) && g_has_avx2) return stream_copy_avx2(dest, src, size);
-  if (size >= (4u << 20)) {
-    const std::size_t head = (16 - (reinterpret_cast<std::uintptr_t>(dest) & 15)) & 15;
-    std::memcpy(dest, src, head);
-    dest += head;
-    src += head;
-    size -= head;
-    auto* d = reinterpret_cast<__m128i*>(dest);
-    const auto* s = reinterpret_cast<const __m128i*>(src);
-    const std::size_t blocks = size / 64;
-    for (std::size_t i = 0; i < blocks; ++i, d += 4, s += 4) {
-      const __m128i a = _mm_loadu_si128(s), b = _mm_loadu_si128(s + 1), c = _mm_loadu_si128(s + 2),
-                    e = _mm_loadu_si128(s + 3);
-      _mm_stream_si128(d, a);
-      _mm_stream_si128(d + 1, b);
-      _mm_stream_si128(d + 2, c);
-      _mm_stream_si128(d + 3, e);
-    }
-    _mm_sfence();
-    std::memcpy(dest + blocks * 64, src + blocks * 64, size - blocks * 64);
-    return;
-  }
-#endif
-  std::memcpy(dest, src, size);
-}
-
 // Copies `size` bytes of the mapping at `src` to `dest`; false when the file shrank under the copy.
 bool guarded_copy(std::byte* dest, const std::byte* src, std::size_t size) {
   static std::once_flag installed;
@@ -394,7 +331,10 @@ bool guarded_copy(std::byte* dest, const std::byte* src, std::size_t size) {
   t_guard_begin = src;
   t_guard_end = src + size;
   t_guard = &guard;
-  stream_copy(dest, src, size);
+  // From 4 MiB up, streaming stores (Note [Streaming copies] in src/memory.cpp): a 16 MiB tensor
+  // of a model copies at twice the speed of memcpy's regular stores.
+  if (size >= (4u << 20)) detail::streaming_copy(dest, src, size);
+  else std::memcpy(dest, src, size);
   t_guard = nullptr;
   return true;
 }
@@ -442,8 +382,12 @@ class DiskFile {
   }
 
   // Descriptors for reading [offset, offset + size), checked against the file's size now.
-  FileFds for_read(std::uint64_t offset, std::uint64_t size) const {
+  FileFds for_read(std::uint64_t offset, std::uint64_t size) {
     std::lock_guard lock(mutex_);
+    if (fd_ < 0 && opened_size_) {  // missing when opened: someone may have created it since
+      open_locked(/*create=*/false);
+      if (fd_ >= 0) map_locked();
+    }
     if (fd_ < 0)
       throw IoError(fmt::format("{}: no such file (nothing wrote it yet): check the path, or copy into a buffer on "
                                 "it first",
@@ -472,7 +416,7 @@ class DiskFile {
     return fd_;
   }
 
-  std::span<std::byte> window(std::uint64_t offset, std::uint64_t size) const {
+  std::span<std::byte> window(std::uint64_t offset, std::uint64_t size) {
     for_read(offset, size);  // the range must be in the file: past its end the mapping faults
     std::lock_guard lock(mutex_);
     return {map_ + offset, size};

@@ -3,8 +3,12 @@
 #include <tinydev/cpu/cpu_hcq.hpp>  // the CPU devices' HCQ types (queues, CpuProgram)
 #include <tinydev/tinydev.hpp>
 
+#include <unistd.h>
+
 #include <cstdio>
+#include <filesystem>
 #include <random>
+#include <string>
 #include <vector>
 
 int main() {
@@ -70,6 +74,19 @@ int main() {
   hcq.synchronize();
   bo.copyout(std::span<float>(out));
   for (int i = 0; i < n; ++i) wrong += out[i] != (a[i] + b[i]) + b[i];
+
+  // Weights from a file: write `out` as a safetensors file, load it back onto the device in one
+  // call (a DISK device on the file and copy_from_disk underneath), compare.
+  const std::string weights =
+      (std::filesystem::temp_directory_path() / ("consumer-" + std::to_string(::getpid()) + ".safetensors")).string();
+  const SafetensorsEntry entries[] = {{"out", dtypes::float32, {static_cast<std::uint64_t>(n)},
+                                       std::as_bytes(std::span<const float>(out))}};
+  write_safetensors(weights, entries);
+  std::vector<LoadedTensor> loaded = load_safetensors(weights, dev.name());
+  std::vector<float> back(n);
+  loaded.at(0).buffer.copyout(std::span<float>(back));
+  wrong += back != out;
+  std::remove(weights.c_str());
   std::printf("consumer: %d floats added on %s in %.3f ms, %d wrong; backends in this build:", n,
               dev.name().c_str(), seconds * 1e3, wrong);
   for (const auto& name : Device.backends()) std::printf(" %s", name.c_str());

@@ -229,6 +229,10 @@ namespace detail {
 // file reads can land in it); OutOfMemory naming `who` when it fails.
 Allocation alloc_host_memory(std::size_t size, std::string_view who);
 void free_host_memory(const Allocation& allocation) noexcept;
+// Note [Streaming copies] (src/memory.cpp): copies `size` bytes with non-temporal stores and a
+// closing store fence (plain memcpy off x86-64). The ranges must not overlap. For large copies of
+// memory nobody reads soon: the CPU copy queue's blocks, DISK reads of cached pages.
+void streaming_copy(std::byte* dest, const std::byte* src, std::size_t size) noexcept;
 // `base` narrowed to `size` bytes at `offset` (a view); InvalidArgument naming `who` if it does not
 // fit.
 Allocation sub_allocation(const Allocation& base, std::size_t size, std::size_t offset, std::string_view who);

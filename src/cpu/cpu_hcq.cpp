@@ -6,9 +6,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <ctime>
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
 
 #include "fatal_signals.hpp"
 #include "host.hpp"
@@ -44,41 +41,15 @@ void check_pools(const Queue& queue, const CpuHCQDevice& device) {
                                         device.name(), pool->name(), device.name()));
 }
 
-// Note [Streaming copies]
-// A copy command moving a large block writes memory nobody reads soon. Regular stores first read
-// every destination line into the cache (read-for-ownership), which doubles the memory traffic of
-// a staging-ring copy; non-temporal stores skip that. glibc's memcpy only streams above a large
-// threshold (a fraction of the last-level cache), which ring chunks do not reach.
+// A copy command moving a large block streams it (Note [Streaming copies] in src/memory.cpp).
 void copy_command(std::byte* dest, const std::byte* src, std::size_t size) {
   constexpr std::size_t kStreamFrom = 256u << 10;
   const bool overlap = dest < src + size && src < dest + size;
-  if (size >= kStreamFrom && !overlap) streaming_copy(dest, src, size);
+  if (size >= kStreamFrom && !overlap) detail::streaming_copy(dest, src, size);
   else std::memmove(dest, src, size);
 }
 
 }  // namespace
-
-void streaming_copy(std::byte* dest, const std::byte* src, std::size_t size) noexcept {
-#if defined(__x86_64__)
-  const std::size_t head = std::min(size, (16 - reinterpret_cast<std::uintptr_t>(dest) % 16) % 16);
-  std::memcpy(dest, src, head);
-  std::size_t i = head;
-  for (; i + 64 <= size; i += 64) {
-    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 16));
-    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 32));
-    const __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 48));
-    _mm_stream_si128(reinterpret_cast<__m128i*>(dest + i), a);
-    _mm_stream_si128(reinterpret_cast<__m128i*>(dest + i + 16), b);
-    _mm_stream_si128(reinterpret_cast<__m128i*>(dest + i + 32), c);
-    _mm_stream_si128(reinterpret_cast<__m128i*>(dest + i + 48), d);
-  }
-  std::memcpy(dest + i, src + i, size - i);
-  _mm_sfence();  // streaming stores are weakly ordered: finish them before the next signal
-#else
-  std::memcpy(dest, src, size);
-#endif
-}
 
 // ---- queues ---------------------------------------------------------------------------------------
 

@@ -102,9 +102,12 @@ class CpuCopyQueue final : public HWCopyQueue<CpuCopyQueue, CpuCommand> {
   std::shared_ptr<const std::vector<CpuCommand>> words() const { return snapshot(); }
 };
 
-// Copies `size` bytes with non-temporal stores (Note [Streaming copies]; plain memcpy off x86-64).
-// The ranges must not overlap. What the copy queue uses for blocks of 256 KiB and more.
-void streaming_copy(std::byte* dest, const std::byte* src, std::size_t size) noexcept;
+// Copies `size` bytes with non-temporal stores (tinydev::detail::streaming_copy, Note [Streaming
+// copies]; plain memcpy off x86-64). The ranges must not overlap. What the copy queue uses for
+// blocks of 256 KiB and more.
+inline void streaming_copy(std::byte* dest, const std::byte* src, std::size_t size) noexcept {
+  detail::streaming_copy(dest, src, size);
+}
 
 // Runs the commands of one submission from index `from` to its end on the calling thread, and
 // returns commands.size(). A command that throws stops it: every signal the rest would set is
