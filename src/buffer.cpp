@@ -276,6 +276,13 @@ CopyPath copy(const Buffer& dest, const Buffer& src) {
     path = CopyPath::transfer;
     debug_log(2, "tinydev: copy {} -> {}: {} bytes by transfer", src.device(), dest.device(), n);
     to.transfer(d, s, n, Device[src.device()], Device[dest.device()]);
+  } else if (reader) {
+    // Through the reader, not the mapping: a file truncated meanwhile is an IoError, not SIGBUS.
+    debug_log(2, "tinydev: copy {} -> {}: {} bytes read into host memory ({}), then copyin", src.device(),
+              dest.device(), n, reader->describe_reads());
+    std::vector<std::byte> bytes(n);
+    reader->read_into(bytes.data(), s, n);
+    target.copyin(bytes);
   } else {
     HostBytes bytes = src.as_buffer(/*allow_zero_copy=*/true);
     debug_log(2, "tinydev: copy {} -> {}: {} bytes through host memory ({}), then copyin", src.device(),

@@ -9,7 +9,6 @@
 #include <cerrno>
 #include <cstring>
 #include <nlohmann/json.hpp>
-#include <set>
 
 #include "tinydev/device.hpp"
 #include "tinydev/error.hpp"
@@ -68,14 +67,6 @@ void check_depth(std::string_view json, std::string_view what) {
   }
 }
 
-std::uint64_t as_offset(const nlohmann::json& v, std::string_view what, const std::string& name,
-                        std::string_view field) {
-  if (!v.is_number_unsigned())
-    throw InvalidArgument(fmt::format("{}: tensor {}: {} holds {}, not a non-negative integer", what,
-                                      quote_for_message(name), field, quote_for_message(v.dump(), 40)));
-  return v.get<std::uint64_t>();
-}
-
 }  // namespace
 
 std::string_view safetensors_dtype_name(DType dtype) {
@@ -94,6 +85,166 @@ DType dtype_from_safetensors(std::string_view name) {
                                         name));
   throw InvalidArgument(fmt::format("{} is not a safetensors dtype", quote_for_message(name, 40)));
 }
+
+namespace {
+
+// Note [Header reading by events]
+// The header is read as a stream of JSON events (nlohmann's SAX interface), straight into
+// SafetensorsTensors: nothing but the tensors themselves is built, so a 100 MB hostile header
+// costs memory in proportion to the tensors it names, not a document tree several times its
+// size, and every rule (field names, a shape of at most kMaxRank sizes, two offsets) is checked
+// as its token arrives.
+class HeaderReader {
+ public:
+  HeaderReader(std::string_view what, std::uint64_t data_bytes, SafetensorsHeader& out)
+      : what_(what), data_bytes_(data_bytes), out_(out) {}
+
+  bool null() { return scalar("null"); }
+  bool boolean(bool) { return scalar("a boolean"); }
+  bool number_integer(std::int64_t) { return scalar("a negative integer"); }
+  bool number_unsigned(std::uint64_t v) {
+    if (where_ == Where::shape) {
+      if (tensor_.shape.size() == kMaxRank) fail("shape has more than {} sizes", kMaxRank);
+      tensor_.shape.push_back(v);
+      return true;
+    }
+    if (where_ == Where::offsets) {
+      if (offsets_ == 2) fail("data_offsets is not [begin, end]");
+      (offsets_++ == 0 ? tensor_.begin : tensor_.end) = v;
+      return true;
+    }
+    return scalar("a number");
+  }
+  bool number_float(double, const std::string&) { return scalar("a fraction"); }
+  bool binary(nlohmann::json::binary_t&) { return scalar("binary data"); }
+  bool string(std::string& v) {
+    if (where_ == Where::metadata) {
+      if (!out_.metadata.emplace(key_, v).second)
+        throw InvalidArgument(fmt::format("{}: the key {} appears twice in one object", what_, quote_for_message(key_)));
+      return true;
+    }
+    if (where_ == Where::tensor && key_ == "dtype") {
+      try {
+        tensor_.dtype = dtype_from_safetensors(v);
+      } catch (const InvalidArgument& e) {
+        fail("{}", e.what());
+      }
+      return true;
+    }
+    return scalar("a string");
+  }
+  bool start_object(std::size_t) {
+    switch (where_) {
+      case Where::top: where_ = Where::root; return true;
+      case Where::root:
+        if (key_ == "__metadata__") {
+          if (seen_metadata_)
+            throw InvalidArgument(fmt::format("{}: the key __metadata__ appears twice in one object", what_));
+          seen_metadata_ = true;
+          where_ = Where::metadata;
+          return true;
+        }
+        if (key_.empty()) throw InvalidArgument(fmt::format("{}: a tensor has an empty name", what_));
+        tensor_ = SafetensorsTensor{};
+        tensor_.name = key_;
+        fields_ = 0;
+        where_ = Where::tensor;
+        return true;
+      default: return scalar("an object");
+    }
+  }
+  bool key(std::string& k) {
+    if (where_ == Where::tensor) {
+      const unsigned field = k == "dtype" ? 1u : k == "shape" ? 2u : k == "data_offsets" ? 4u : 0u;
+      if (!field) fail("has an unknown field {} (expected dtype, shape, data_offsets)", quote_for_message(k));
+      if (fields_ & field) fail("the key {} appears twice in one object", k);
+      fields_ |= field;
+    }
+    key_ = std::move(k);
+    return true;
+  }
+  bool end_object() {
+    switch (where_) {
+      case Where::root: where_ = Where::done; return true;
+      case Where::metadata: where_ = Where::root; return true;
+      case Where::tensor: finish_tensor(); where_ = Where::root; return true;
+      default: return true;
+    }
+  }
+  bool start_array(std::size_t) {
+    if (where_ == Where::tensor && key_ == "shape") {
+      where_ = Where::shape;
+      return true;
+    }
+    if (where_ == Where::tensor && key_ == "data_offsets") {
+      where_ = Where::offsets;
+      offsets_ = 0;
+      return true;
+    }
+    return scalar("an array");
+  }
+  bool end_array() {
+    if (where_ == Where::offsets && offsets_ != 2) fail("data_offsets is not [begin, end]");
+    where_ = Where::tensor;
+    return true;
+  }
+  bool parse_error(std::size_t, const std::string&, const nlohmann::json::exception& e) {
+    throw InvalidArgument(fmt::format("{}: the header is not valid JSON: {}", what_, e.what()));
+  }
+
+ private:
+  enum class Where { top, root, metadata, tensor, shape, offsets, done };
+
+  template <class... Args>
+  [[noreturn]] void fail(fmt::format_string<Args...> format, Args&&... args) const {
+    throw InvalidArgument(fmt::format("{}: tensor {}: {}", what_, quote_for_message(tensor_.name),
+                                      fmt::format(format, std::forward<Args>(args)...)));
+  }
+  // A value where it does not belong, said for where it is.
+  bool scalar(std::string_view kind) {
+    switch (where_) {
+      case Where::top: throw InvalidArgument(fmt::format("{}: the header is not a JSON object", what_));
+      case Where::root:
+        if (key_ == "__metadata__") throw InvalidArgument(fmt::format("{}: __metadata__ is not an object of strings", what_));
+        throw InvalidArgument(fmt::format("{}: tensor {} is not an object (it is {})", what_, quote_for_message(key_), kind));
+      case Where::metadata:
+        throw InvalidArgument(fmt::format("{}: __metadata__ {} is not a string", what_, quote_for_message(key_)));
+      case Where::shape: fail("shape holds {}, not a non-negative integer", kind);
+      case Where::offsets: fail("data_offsets holds {}, not a non-negative integer", kind);
+      case Where::tensor:
+        if (key_ == "dtype") fail("dtype is not a string");
+        if (key_ == "shape") fail("shape is not an array of at most {} sizes", kMaxRank);
+        fail("data_offsets is not [begin, end]");
+      case Where::done: break;
+    }
+    throw InvalidArgument(fmt::format("{}: the header has {} after its end", what_, kind));
+  }
+  void finish_tensor() {
+    if (fields_ != 7) fail("lacks one of dtype, shape and data_offsets");
+    SafetensorsTensor& t = tensor_;
+    std::uint64_t numel = 1, nbytes = 0;
+    for (std::uint64_t d : t.shape)
+      if (__builtin_mul_overflow(numel, d, &numel)) fail("the shape's element count overflows 64 bits");
+    if (__builtin_mul_overflow(numel, std::uint64_t{t.dtype.itemsize}, &nbytes)) fail("its byte size overflows 64 bits");
+    if (t.end < t.begin || t.end > data_bytes_)
+      fail("data_offsets [{}, {}] is not a range inside the {}-byte data section", t.begin, t.end, data_bytes_);
+    if (t.end - t.begin != nbytes)
+      fail("shape x {} is {} bytes, but data_offsets [{}, {}] hold {}", safetensors_dtype_name(t.dtype), nbytes, t.begin,
+           t.end, t.end - t.begin);
+    out_.tensors.push_back(std::move(t));
+  }
+
+  std::string_view what_;
+  std::uint64_t data_bytes_;
+  SafetensorsHeader& out_;
+  Where where_ = Where::top;
+  std::string key_;
+  SafetensorsTensor tensor_;
+  unsigned fields_ = 0, offsets_ = 0;
+  bool seen_metadata_ = false;
+};
+
+}  // namespace
 
 SafetensorsHeader parse_safetensors_header(std::span<const std::byte> file_start, std::uint64_t file_size,
                                            std::string_view what) {
@@ -125,91 +276,22 @@ SafetensorsHeader parse_safetensors_header(std::span<const std::byte> file_start
                                       what, quote_for_message(json.substr(0, 8))));
   check_depth(json, what);
 
-  // Duplicate keys are refused (a JSON parser would keep the last one, hiding a tensor).
-  std::vector<std::set<std::string>> open_objects;
-  nlohmann::json root;
+  const std::uint64_t data_bytes = file_size - out.data_offset;
+  HeaderReader reader(what, data_bytes, out);
   try {
-    root = nlohmann::json::parse(
-        json.begin(), json.end(),
-        [&](int, nlohmann::json::parse_event_t event, nlohmann::json& parsed) {
-          using E = nlohmann::json::parse_event_t;
-          if (event == E::object_start) open_objects.emplace_back();
-          else if (event == E::object_end) open_objects.pop_back();
-          else if (event == E::key && !open_objects.back().insert(parsed.get<std::string>()).second)
-            throw InvalidArgument(fmt::format("{}: the key {} appears twice in one object", what,
-                                              quote_for_message(parsed.get<std::string>())));
-          return true;
-        });
+    nlohmann::json::sax_parse(json.begin(), json.end(), &reader);
   } catch (const nlohmann::json::exception& e) {
     throw InvalidArgument(fmt::format("{}: the header is not valid JSON: {}", what, e.what()));
   }
-  if (!root.is_object()) throw InvalidArgument(fmt::format("{}: the header is not a JSON object", what));
-
-  const std::uint64_t data_bytes = file_size - out.data_offset;
-  for (const auto& [name, value] : root.items()) {
-    if (name == "__metadata__") {
-      if (!value.is_object())
-        throw InvalidArgument(fmt::format("{}: __metadata__ is not an object of strings", what));
-      for (const auto& [k, v] : value.items()) {
-        if (!v.is_string())
-          throw InvalidArgument(fmt::format("{}: __metadata__ {} is not a string", what, quote_for_message(k)));
-        out.metadata.emplace(k, v.get<std::string>());
-      }
-      continue;
-    }
-    if (name.empty()) throw InvalidArgument(fmt::format("{}: a tensor has an empty name", what));
-    if (!value.is_object())
-      throw InvalidArgument(fmt::format("{}: tensor {} is not an object", what, quote_for_message(name)));
-    for (const auto& [k, v] : value.items()) {
-      (void)v;
-      if (k != "dtype" && k != "shape" && k != "data_offsets")
-        throw InvalidArgument(fmt::format("{}: tensor {} has an unknown field {} (expected dtype, shape, "
-                                          "data_offsets)",
-                                          what, quote_for_message(name), quote_for_message(k)));
-    }
-    if (!value.contains("dtype") || !value.contains("shape") || !value.contains("data_offsets"))
-      throw InvalidArgument(fmt::format("{}: tensor {} lacks one of dtype, shape and data_offsets", what,
-                                        quote_for_message(name)));
-    SafetensorsTensor t;
-    t.name = name;
-    const nlohmann::json& dtype = value["dtype"];
-    if (!dtype.is_string())
-      throw InvalidArgument(fmt::format("{}: tensor {}: dtype is not a string", what, quote_for_message(name)));
-    try {
-      t.dtype = dtype_from_safetensors(dtype.get<std::string>());
-    } catch (const InvalidArgument& e) {
-      throw InvalidArgument(fmt::format("{}: tensor {}: {}", what, quote_for_message(name), e.what()));
-    }
-    const nlohmann::json& shape = value["shape"];
-    if (!shape.is_array() || shape.size() > kMaxRank)
-      throw InvalidArgument(fmt::format("{}: tensor {}: shape is not an array of at most {} sizes", what,
-                                        quote_for_message(name), kMaxRank));
-    std::uint64_t numel = 1;
-    for (const nlohmann::json& dim : shape) {
-      t.shape.push_back(as_offset(dim, what, name, "shape"));
-      if (__builtin_mul_overflow(numel, t.shape.back(), &numel))
-        throw InvalidArgument(fmt::format("{}: tensor {}: the shape's element count overflows 64 bits", what,
-                                          quote_for_message(name)));
-    }
-    const nlohmann::json& offsets = value["data_offsets"];
-    if (!offsets.is_array() || offsets.size() != 2)
-      throw InvalidArgument(fmt::format("{}: tensor {}: data_offsets is not [begin, end]", what,
-                                        quote_for_message(name)));
-    t.begin = as_offset(offsets[0], what, name, "data_offsets");
-    t.end = as_offset(offsets[1], what, name, "data_offsets");
-    std::uint64_t nbytes = 0;
-    if (__builtin_mul_overflow(numel, std::uint64_t{t.dtype.itemsize}, &nbytes))
-      throw InvalidArgument(fmt::format("{}: tensor {}: its byte size overflows 64 bits", what, quote_for_message(name)));
-    if (t.end < t.begin || t.end > data_bytes)
-      throw InvalidArgument(fmt::format("{}: tensor {}: data_offsets [{}, {}] is not a range inside the {}-byte data "
-                                        "section",
-                                        what, quote_for_message(name), t.begin, t.end, data_bytes));
-    if (t.end - t.begin != nbytes)
-      throw InvalidArgument(fmt::format("{}: tensor {}: shape x {} is {} bytes, but data_offsets [{}, {}] hold {}",
-                                        what, quote_for_message(name), safetensors_dtype_name(t.dtype), nbytes,
-                                        t.begin, t.end, t.end - t.begin));
-    out.tensors.push_back(std::move(t));
-  }
+  // Duplicate names (a JSON object keeps one of them, hiding a tensor), found without a second
+  // copy of every name: sort pointers to them.
+  std::vector<const std::string*> names;
+  names.reserve(out.tensors.size());
+  for (const SafetensorsTensor& t : out.tensors) names.push_back(&t.name);
+  std::sort(names.begin(), names.end(), [](const std::string* a, const std::string* b) { return *a < *b; });
+  for (std::size_t i = 1; i < names.size(); ++i)
+    if (*names[i] == *names[i - 1])
+      throw InvalidArgument(fmt::format("{}: the key {} appears twice in one object", what, quote_for_message(*names[i])));
   std::stable_sort(out.tensors.begin(), out.tensors.end(), [](const SafetensorsTensor& a, const SafetensorsTensor& b) {
     return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
   });
@@ -269,9 +351,13 @@ void write_safetensors(const std::string& path, std::span<const SafetensorsEntry
   if (!metadata.empty()) header["__metadata__"] = metadata;
   std::uint64_t offset = 0;
   for (const SafetensorsEntry& t : tensors) {
-    std::uint64_t numel = 1;
-    for (std::uint64_t d : t.shape) numel *= d;
-    if (numel * t.dtype.itemsize != t.bytes.size())
+    if (t.name.empty() || t.name == "__metadata__")
+      throw InvalidArgument(fmt::format("write_safetensors: a tensor may not be named {}", quote_for_message(t.name)));
+    std::uint64_t numel = 1, nbytes = 0;
+    bool overflow = false;
+    for (std::uint64_t d : t.shape) overflow |= __builtin_mul_overflow(numel, d, &numel);
+    overflow |= __builtin_mul_overflow(numel, std::uint64_t{t.dtype.itemsize}, &nbytes);
+    if (overflow || nbytes != t.bytes.size())
       throw InvalidArgument(fmt::format("write_safetensors: tensor {} has {} bytes for a shape of {} x {}",
                                         quote_for_message(t.name), t.bytes.size(), numel, t.dtype.name));
     if (header.contains(t.name))
@@ -309,8 +395,16 @@ void write_safetensors(const std::string& path, std::span<const SafetensorsEntry
 std::vector<LoadedTensor> load_safetensors(const std::string& path, std::string_view device,
                                            const LoadProgressCallback& progress) {
   const SafetensorsHeader header = read_safetensors_header(path);
-  const std::string disk_name = "DISK:" + path;
-  if (canonicalize(disk_name) != disk_name)
+  // A relative path gets "./": "shm:x" would otherwise name shared memory, not the file read above.
+  const std::string disk_name = "DISK:" + (path.starts_with('/') ? path : "./" + path);
+  std::string canonical;
+  try {
+    canonical = canonicalize(disk_name);
+  } catch (const InvalidArgument& e) {
+    throw InvalidArgument(fmt::format("load_safetensors: {} cannot be a device name: {}", quote_for_message(path),
+                                      e.what()));
+  }
+  if (canonical != disk_name)
     throw InvalidArgument(fmt::format("load_safetensors: {} ends in \":0\", which device names drop: rename the file",
                                       quote_for_message(path)));
   Compiled& dest = Device[device];

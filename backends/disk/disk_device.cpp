@@ -164,17 +164,25 @@ class ReadQueue {
 #ifdef TINYDEV_HAVE_LIBURING
     if (ring_) {
       io_uring_sqe* sqe = io_uring_get_sqe(ring_);
-      if (!sqe) {  // the ring holds kRingEntries >= depth_, so this is a bug, not a full ring
+      if (!sqe) {  // the ring holds kRingEntries >= depth_ and each read is submitted at once
         requests_.pop_back();
-        throw IoError(fmt::format("{}: no free io_uring submission entry with {} reads in flight", who_, in_flight_));
+        throw IoError(fmt::format("{}: no free io_uring submission entry with {} reads in flight (a bug)", who_,
+                                  in_flight_));
       }
       io_uring_prep_read(sqe, r.direct ? fds_.direct_fd : fds_.fd, r.dest, static_cast<unsigned>(r.length),
                          r.file_offset);
       io_uring_sqe_set_data64(sqe, id);
-      const int rc = io_uring_submit(ring_);
+      // The entry is in the ring now, so it must reach the kernel: a submit that fails for good
+      // would leave it to be sent with someone else's next read, into memory nobody owns then.
+      int rc;
+      for (int attempt = 0; (rc = io_uring_submit(ring_)) < 0 && attempt < 1000; ++attempt) {
+        if (rc != -EINTR && rc != -EAGAIN && rc != -EBUSY) break;
+        if (rc != -EINTR) ::usleep(100);
+      }
       if (rc < 0) {
-        requests_.pop_back();
-        throw IoError(fmt::format("{}: io_uring_submit failed: {}", who_, os_error(-rc)));
+        std::fprintf(stderr, "tinydev: %s: io_uring_submit failed (%s) with a read queued in the ring\n",
+                     std::string(who_).c_str(), std::strerror(-rc));
+        std::abort();
       }
       ++in_flight_;
       return;
@@ -196,8 +204,9 @@ class ReadQueue {
     auto [id, res] = next_completion();
     const auto [r, tag] = requests_[id];
     Completion out{r, tag, nullptr};
-    // Some file systems take O_DIRECT at open and refuse it per read: read that piece buffered.
-    if (res == -EINVAL && r.direct) res = pread_full(fds_.fd, r.dest, r.length, r.file_offset);
+    // Some file systems take O_DIRECT at open and refuse it per read (EINVAL, or EAGAIN where
+    // io_uring treats the file as non-blocking): read that piece buffered.
+    if ((res == -EINVAL || res == -EAGAIN) && r.direct) res = pread_full(fds_.fd, r.dest, r.length, r.file_offset);
     try {
       if (res < 0)
         throw IoError(fmt::format("{}: reading {} bytes at offset {} failed: {}", who_, r.length, r.file_offset,
@@ -293,27 +302,40 @@ bool resident(const FileFds& fds, std::uint64_t offset, std::size_t length) {
 // SIGBUS. So the copy runs guarded: a SIGBUS handler, installed once and chained to whatever
 // handler was there before, jumps back out of a guarded copy whose source range faulted on this
 // thread, and the copy is then an IoError; any other SIGBUS goes to the previous handler untouched.
-thread_local sigjmp_buf* t_guard = nullptr;
-thread_local const std::byte* t_guard_begin = nullptr;
-thread_local const std::byte* t_guard_end = nullptr;
+// The guard of this thread: volatile, and fenced around the copy, because the signal handler
+// reads it between any two instructions of the copy.
+thread_local sigjmp_buf* volatile t_guard = nullptr;
+thread_local const std::byte* volatile t_guard_begin = nullptr;
+thread_local const std::byte* volatile t_guard_end = nullptr;
+thread_local volatile int t_guard_code = 0;  // the si_code of the SIGBUS that ended a guarded copy
 struct sigaction g_previous_sigbus;
 
 void on_sigbus(int sig, siginfo_t* info, void* context) {
-  const auto* address = static_cast<const std::byte*>(info->si_addr);
-  if (sigjmp_buf* guard = t_guard; guard && address >= t_guard_begin && address < t_guard_end) {
+  const auto* address = static_cast<const std::byte*>(info ? info->si_addr : nullptr);
+  sigjmp_buf* guard = t_guard;
+  if (guard && info && info->si_code > 0 && address >= t_guard_begin && address < t_guard_end) {
     t_guard = nullptr;
+    t_guard_code = info->si_code;
     siglongjmp(*guard, 1);
   }
+  // Not ours: as Note [Fatal signals in kernels] passes signals on (src/cpu/fatal_signals.cpp).
   const struct sigaction& prev = g_previous_sigbus;
-  if (prev.sa_flags & SA_SIGINFO) {
+  if ((prev.sa_flags & SA_SIGINFO) && prev.sa_sigaction) {
     prev.sa_sigaction(sig, info, context);
-  } else if (prev.sa_handler == SIG_IGN) {
     return;
-  } else if (prev.sa_handler == SIG_DFL) {
-    ::signal(sig, SIG_DFL);  // returning re-runs the faulting access, which now kills the process
-  } else {
-    prev.sa_handler(sig);
   }
+  if (prev.sa_handler != SIG_DFL && prev.sa_handler != SIG_IGN && prev.sa_handler) {
+    prev.sa_handler(sig);
+    return;
+  }
+  // The default action (an ignored SIGBUS from a fault would re-fault forever): a fault raises
+  // itself again when the instruction reruns; a signal sent by kill() is sent again. Our handler
+  // goes with it, which is fine: the process is ending.
+  struct sigaction dfl{};
+  dfl.sa_handler = SIG_DFL;
+  sigemptyset(&dfl.sa_mask);
+  ::sigaction(sig, &dfl, nullptr);
+  if (!info || info->si_code <= 0) ::raise(sig);
 }
 
 // Copies `size` bytes of the mapping at `src` to `dest`; false when the file shrank under the copy.
@@ -331,10 +353,12 @@ bool guarded_copy(std::byte* dest, const std::byte* src, std::size_t size) {
   t_guard_begin = src;
   t_guard_end = src + size;
   t_guard = &guard;
+  std::atomic_signal_fence(std::memory_order_seq_cst);
   // From 4 MiB up, streaming stores (Note [Streaming copies] in src/memory.cpp): a 16 MiB tensor
   // of a model copies at twice the speed of memcpy's regular stores.
   if (size >= (4u << 20)) detail::streaming_copy(dest, src, size);
   else std::memcpy(dest, src, size);
+  std::atomic_signal_fence(std::memory_order_seq_cst);
   t_guard = nullptr;
   return true;
 }
@@ -371,7 +395,12 @@ class DiskFile {
     if (!opened_size_) {
       open_locked(/*create=*/false);
       opened_size_ = size;
-      if (fd_ >= 0) map_locked();
+      try {
+        if (fd_ >= 0) map_locked();
+      } catch (...) {
+        opened_size_.reset();  // nothing is open: the next buffer starts over
+        throw;
+      }
     }
     ++buffers_;
   }
@@ -483,6 +512,7 @@ class DiskFile {
       const int direct = ::open(path_.c_str(), O_RDONLY | O_DIRECT | O_CLOEXEC | O_NOCTTY | O_NONBLOCK);
       struct stat dst{};
       if (direct >= 0 && ::fstat(direct, &dst) == 0 && dst.st_dev == st.st_dev && dst.st_ino == st.st_ino) {
+        ::fcntl(direct, F_SETFL, ::fcntl(direct, F_GETFL) & ~O_NONBLOCK);
         direct_fd_ = direct;
       } else {
         if (direct >= 0) ::close(direct);
@@ -570,7 +600,12 @@ class DiskAllocator final : public Allocator, public FileReader {
   FileReader* file_reader() noexcept override { return this; }
 
   // ---- FileReader ----
+  // The error of a guarded copy that ended in SIGBUS (Note [Copies from the mapping]).
   IoError shrank(std::uint64_t offset, std::uint64_t size) const {
+    if (t_guard_code != BUS_ADRERR)
+      return IoError(fmt::format("{}: a memory or I/O error (SIGBUS code {}) while bytes {} to {} were copied from "
+                                 "the file's mapping",
+                                 file_.device(), static_cast<int>(t_guard_code), offset, offset + size));
     return IoError(fmt::format("{}: the file shrank while bytes {} to {} were copied from it (another process "
                                "truncated it?)",
                                file_.device(), offset, offset + size));

@@ -119,7 +119,7 @@ enum class CopyPath {
   copy_from_disk,  // a file (DISK) read into the destination's staging ring, or straight into it
   as_buffer,       // a file read into the destination's host-visible memory
   transfer,        // a device-to-device copy between two devices of one backend
-  copyin,          // the source's bytes on the host (zero copy where it can), copied in
+  copyin,          // the source's bytes on the host (zero copy where it can; a file read by its reader), copied in
 };
 std::string_view to_string(CopyPath path) noexcept;
 
@@ -128,7 +128,8 @@ std::string_view to_string(CopyPath path) noexcept;
 //  - from a file (DISK) into a device with copy_from_disk, at least 4 KiB: copy_from_disk;
 //  - from a file into host-visible memory: the file read straight into it (as_buffer);
 //  - between two devices of one backend that transfers (the HCQ devices): transfer;
-//  - else the source's bytes through the host (zero-copy where it can) and a copyin.
+//  - else the source's bytes through the host (zero-copy where it can; a file's through its reader,
+//    never its mapping) and a copyin.
 // Sizes and dtypes must match and `src` must be allocated, or be a view of an allocated buffer
 // (InvalidArgument before a byte moves).
 // Returns once `src` may be changed again; `dest` is complete for the work queued after it on

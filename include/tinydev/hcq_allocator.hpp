@@ -299,6 +299,14 @@ class HCQAllocator : public LRUAllocator {
   class RingSink final : public StagingSink {
    public:
     RingSink(HCQAllocator& allocator, Allocation dest) : a_(allocator), dest_(dest) {}
+    // A reader that broke off without landing or abandoning a slot (an exception it did not
+    // expect) has finished its reads by now: free such slots, or every later copy would wait on them.
+    ~RingSink() {
+      for (std::uint64_t& tag : a_.ring_timeline_)
+        if (tag == kSlotTaken) tag = 0;
+    }
+    RingSink(const RingSink&) = delete;
+    RingSink& operator=(const RingSink&) = delete;
     std::size_t slot_bytes() const noexcept override { return a_.batch_size_; }
     std::optional<Slot> try_take() override {
       const std::size_t i = (a_.next_ + 1) % a_.ring_.size();

@@ -493,4 +493,10 @@ TEST_CASE("disk: malformed and hostile safetensors headers fail cleanly", "[disk
   CHECK_THROWS_AS(load_safetensors(path, "NULL"), InvalidArgument);
   CHECK(GlobalCounters::mem_used.load() == used);
   CHECK_THROWS_AS(read_safetensors_header(dir.str() + "/missing.safetensors"), IoError);
+  // The writer refuses what the reader would: a tensor named __metadata__, a size that overflows.
+  const std::byte one[1] = {};
+  const SafetensorsEntry named_metadata[] = {{"__metadata__", dtypes::uint8, {1}, one}};
+  CHECK_THROWS_AS(write_safetensors(path, named_metadata), InvalidArgument);
+  const SafetensorsEntry overflowing[] = {{"x", dtypes::uint8, {1ull << 32, 1ull << 32}, one}};
+  CHECK_THROWS_AS(write_safetensors(path, overflowing), InvalidArgument);
 }
