@@ -410,6 +410,33 @@ __attribute__((target("avx2"))) std::size_t stream_avx2(std::byte* dest, const s
   const std::size_t head = std::min(size, (32 - reinterpret_cast<std::uintptr_t>(dest) % 32) % 32);
   std::memcpy(dest, src, head);
   std::size_t i = head;
+  // Four pages at a time, a line of each in turn (as glibc's large copy): four sequential streams
+  // keep more DRAM pages open than one.
+  constexpr std::size_t kPage = 4096;
+  for (; i + 4 * kPage <= size; i += 4 * kPage) {
+    for (std::size_t line = 0; line < kPage; line += 64) {
+      const auto* s0 = reinterpret_cast<const __m256i*>(src + i + line);
+      const auto* s1 = reinterpret_cast<const __m256i*>(src + i + kPage + line);
+      const auto* s2 = reinterpret_cast<const __m256i*>(src + i + 2 * kPage + line);
+      const auto* s3 = reinterpret_cast<const __m256i*>(src + i + 3 * kPage + line);
+      const __m256i a0 = _mm256_loadu_si256(s0), a1 = _mm256_loadu_si256(s0 + 1);
+      const __m256i b0 = _mm256_loadu_si256(s1), b1 = _mm256_loadu_si256(s1 + 1);
+      const __m256i c0 = _mm256_loadu_si256(s2), c1 = _mm256_loadu_si256(s2 + 1);
+      const __m256i e0 = _mm256_loadu_si256(s3), e1 = _mm256_loadu_si256(s3 + 1);
+      auto* d0 = reinterpret_cast<__m256i*>(dest + i + line);
+      auto* d1 = reinterpret_cast<__m256i*>(dest + i + kPage + line);
+      auto* d2 = reinterpret_cast<__m256i*>(dest + i + 2 * kPage + line);
+      auto* d3 = reinterpret_cast<__m256i*>(dest + i + 3 * kPage + line);
+      _mm256_stream_si256(d0, a0);
+      _mm256_stream_si256(d0 + 1, a1);
+      _mm256_stream_si256(d1, b0);
+      _mm256_stream_si256(d1 + 1, b1);
+      _mm256_stream_si256(d2, c0);
+      _mm256_stream_si256(d2 + 1, c1);
+      _mm256_stream_si256(d3, e0);
+      _mm256_stream_si256(d3 + 1, e1);
+    }
+  }
   for (; i + 128 <= size; i += 128) {
     const auto* s = reinterpret_cast<const __m256i*>(src + i);
     auto* d = reinterpret_cast<__m256i*>(dest + i);

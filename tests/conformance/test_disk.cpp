@@ -196,7 +196,7 @@ TEST_CASE("disk: reading while another process appends to the file does not cras
   }, Needs{});
 }
 
-TEST_CASE("disk: reading while another process truncates and rewrites the file is the bytes or an IoError, never a "
+TEST_CASE("disk: reading while another process truncates and rewrites the file is the bytes or an IoError and never a "
           "crash",
           "[disk]") {
   for_each_hcq_device([](auto& dev) {
@@ -244,7 +244,8 @@ TEST_CASE("disk: reading while another process truncates and rewrites the file i
   }, Needs{});
 }
 
-TEST_CASE("disk: views of views take absolute offsets, writes create and grow the file, reopening larger is an error",
+TEST_CASE("disk: views of views take absolute offsets and writes create and grow the file and reopening larger is an "
+          "error",
           "[disk][host]") {
   TempDir dir;
   const std::uint64_t seed = fresh_seed();

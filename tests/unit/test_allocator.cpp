@@ -175,3 +175,22 @@ TEST_CASE("malloc allocator: aligned - host-visible - with views", "[allocator]"
   CHECK_THROWS_AS(a.copyin(x, random_bytes(size + 1, seed)), InvalidArgument);
   a.free(x, size);
 }
+
+TEST_CASE("memory: the streaming copy is byte-exact at every alignment and size around its block sizes", "[lru]") {
+  const std::uint64_t seed = tinydev::testing::fresh_seed();
+  INFO("seed " << seed);
+  const auto src = tinydev::testing::random_bytes((1u << 20) + 200, seed);
+  std::vector<std::byte> dest(src.size() + 200);
+  for (std::size_t size : {std::size_t{0}, std::size_t{1}, std::size_t{63}, std::size_t{64}, std::size_t{127},
+                           std::size_t{128}, std::size_t{4095}, std::size_t{16384}, std::size_t{16384 + 129},
+                           std::size_t{(1u << 20) + 77}})
+    for (std::size_t src_off : {0, 1, 31, 64})
+      for (std::size_t dest_off : {0, 7, 32, 100}) {
+        INFO("size " << size << " src+" << src_off << " dest+" << dest_off);
+        std::fill(dest.begin(), dest.end(), std::byte{0xAB});
+        tinydev::detail::streaming_copy(dest.data() + dest_off, src.data() + src_off, size);
+        CHECK(std::equal(src.begin() + src_off, src.begin() + src_off + size, dest.begin() + dest_off));
+        CHECK(std::all_of(dest.begin(), dest.begin() + dest_off, [](std::byte b) { return b == std::byte{0xAB}; }));
+        CHECK(std::all_of(dest.begin() + dest_off + size, dest.end(), [](std::byte b) { return b == std::byte{0xAB}; }));
+      }
+}
