@@ -404,8 +404,8 @@ void detail::free_host_memory(const Allocation& allocation) noexcept { std::free
 // the bytes landed must see them. Elsewhere, memcpy.
 namespace {
 #if defined(__x86_64__)
-// Both copy the unaligned head with memcpy, stream whole 4-vector blocks, and leave the tail to
-// the caller (written out twice: a lambda would not inherit the AVX2 target).
+// Both copy the unaligned head with memcpy, stream what they can (AVX2: whole groups of four
+// pages; SSE2: 64-byte blocks), and return how far they got; the caller copies the rest.
 __attribute__((target("avx2"))) std::size_t stream_avx2(std::byte* dest, const std::byte* src, std::size_t size) {
   const std::size_t head = std::min(size, (32 - reinterpret_cast<std::uintptr_t>(dest) % 32) % 32);
   std::memcpy(dest, src, head);
@@ -437,17 +437,7 @@ __attribute__((target("avx2"))) std::size_t stream_avx2(std::byte* dest, const s
       _mm256_stream_si256(d3 + 1, e1);
     }
   }
-  for (; i + 128 <= size; i += 128) {
-    const auto* s = reinterpret_cast<const __m256i*>(src + i);
-    auto* d = reinterpret_cast<__m256i*>(dest + i);
-    const __m256i a = _mm256_loadu_si256(s), b = _mm256_loadu_si256(s + 1), c = _mm256_loadu_si256(s + 2),
-                  e = _mm256_loadu_si256(s + 3);
-    _mm256_stream_si256(d, a);
-    _mm256_stream_si256(d + 1, b);
-    _mm256_stream_si256(d + 2, c);
-    _mm256_stream_si256(d + 3, e);
-  }
-  return i;
+  return i;  // under four pages left: the caller's memcpy
 }
 
 std::size_t stream_sse2(std::byte* dest, const std::byte* src, std::size_t size) {

@@ -174,13 +174,15 @@ class ProgressPrinter {
 };
 
 // Compares each loaded tensor with the file's bytes (read with pread, not through DISK).
-std::size_t verify_against_file(const std::string& path, const tinydev::SafetensorsHeader& header,
-                                const std::vector<tinydev::LoadedTensor>& tensors) {
+std::size_t verify_against_file(const std::string& path, const std::vector<tinydev::LoadedTensor>& tensors) {
+  const tinydev::SafetensorsHeader header = tinydev::read_safetensors_header(path);  // the offsets, in file order
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) throw tinydev::IoError(fmt::format("--verify: cannot open {}: {}", path, std::strerror(errno)));
-  std::size_t wrong = 0;
+  // A file changed since the load names other tensors: those without a counterpart differ.
+  const std::size_t common = std::min(tensors.size(), header.tensors.size());
+  std::size_t wrong = std::max(tensors.size(), header.tensors.size()) - common;
   std::vector<std::byte> expect, got;
-  for (std::size_t i = 0; i < tensors.size(); ++i) {
+  for (std::size_t i = 0; i < common; ++i) {
     const tinydev::SafetensorsTensor& t = header.tensors[i];
     expect.resize(t.nbytes());
     got.resize(t.nbytes());
@@ -208,18 +210,17 @@ std::size_t verify_against_file(const std::string& path, const tinydev::Safetens
 int load(const std::string& path, const std::string& device, bool verify) {
   using namespace tinydev;
   try {
-    const SafetensorsHeader header = read_safetensors_header(path);
     ProgressPrinter printer(::isatty(STDOUT_FILENO) == 1);
     const auto t0 = std::chrono::steady_clock::now();
     std::vector<LoadedTensor> tensors = load_safetensors(path, device, std::ref(printer));
     const double s = seconds_since(t0);
     printer.finish();
     std::uint64_t bytes = 0;
-    for (const SafetensorsTensor& t : header.tensors) bytes += t.nbytes();
+    for (const LoadedTensor& t : tensors) bytes += t.buffer.nbytes();
     fmt::print("loaded {} tensors, {} bytes onto {} in {:.3f} s ({:.2f} GB/s)\n", tensors.size(), bytes,
                Device[device].name(), s, s > 0 ? static_cast<double>(bytes) / s / 1e9 : 0.0);
     if (verify) {
-      if (const std::size_t wrong = verify_against_file(path, header, tensors)) {
+      if (const std::size_t wrong = verify_against_file(path, tensors)) {
         fmt::print(stderr, "tinydev load: FAILED: {} of {} tensors differ from the file\n", wrong, tensors.size());
         return 1;
       }

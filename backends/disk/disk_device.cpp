@@ -31,6 +31,7 @@
 #include <liburing.h>
 #endif
 
+#include "signal_chain.hpp"
 #include "tinydev/config.hpp"
 #include "tinydev/counters.hpp"
 #include "tinydev/device.hpp"
@@ -316,24 +317,7 @@ void on_sigbus(int sig, siginfo_t* info, void* context) {
     t_guard_code = info->si_code;
     siglongjmp(*guard, 1);
   }
-  // Not ours: as Note [Fatal signals in kernels] passes signals on (src/cpu/fatal_signals.cpp).
-  const struct sigaction& prev = g_previous_sigbus;
-  if ((prev.sa_flags & SA_SIGINFO) && prev.sa_sigaction) {
-    prev.sa_sigaction(sig, info, context);
-    return;
-  }
-  if (prev.sa_handler != SIG_DFL && prev.sa_handler != SIG_IGN && prev.sa_handler) {
-    prev.sa_handler(sig);
-    return;
-  }
-  // The default action (an ignored SIGBUS from a fault would re-fault forever): a fault raises
-  // itself again when the instruction reruns; a signal sent by kill() is sent again. Our handler
-  // goes with it, which is fine: the process is ending.
-  struct sigaction dfl{};
-  dfl.sa_handler = SIG_DFL;
-  sigemptyset(&dfl.sa_mask);
-  ::sigaction(sig, &dfl, nullptr);
-  if (!info || info->si_code <= 0) ::raise(sig);
+  detail::pass_signal_on(g_previous_sigbus, sig, info, context);  // not ours
 }
 
 // Copies `size` bytes of the mapping at `src` to `dest`; false when the file shrank under the copy.

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <mutex>
 
+#include "signal_chain.hpp"
 #include "tinydev/config.hpp"
 
 namespace tinydev::cpu {
@@ -79,23 +80,8 @@ void fatal_handler(int sig, siginfo_t* info, void* context) {
     write_hex(reinterpret_cast<std::uintptr_t>(info ? info->si_addr : nullptr));
     write_str("; the process cannot go on safely\n");
   }
-  const struct sigaction& prev = previous_actions[sig];
   errno = saved_errno;
-  if ((prev.sa_flags & SA_SIGINFO) && prev.sa_sigaction) {
-    prev.sa_sigaction(sig, info, context);
-    return;
-  }
-  if (prev.sa_handler != SIG_DFL && prev.sa_handler != SIG_IGN && prev.sa_handler) {
-    prev.sa_handler(sig);
-    return;
-  }
-  // The default action: reinstate it. A fault re-raises itself when the instruction runs again;
-  // a signal sent by kill() does not, so send it again.
-  struct sigaction dfl {};
-  dfl.sa_handler = SIG_DFL;
-  sigemptyset(&dfl.sa_mask);
-  sigaction(sig, &dfl, nullptr);
-  if (!info || info->si_code <= 0) raise(sig);
+  detail::pass_signal_on(previous_actions[sig], sig, info, context);
 }
 
 }  // namespace
