@@ -290,6 +290,21 @@ TEST_CASE("disk: views of views take absolute offsets and writes create and grow
   CHECK_THROWS_AS(Device[name].runtime().load("k", {}), InvalidArgument);
 }
 
+TEST_CASE("disk: a file another process creates after the buffer opened is read at the next read", "[disk][host]") {
+  TempDir dir;
+  const std::uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  const std::string path = dir.str() + "/later.bin";
+  Buffer b("DISK:" + path, 5000, dtypes::uint8);
+  b.allocate();
+  std::vector<std::byte> host(5000);
+  CHECK_THROWS_WITH(b.copyout(host), Catch::Contains("no such file"));
+  const auto data = random_bytes(5000, seed);
+  write_file(path, data);  // not through tinydev
+  CHECK(read_back(b) == data);
+  CHECK(std::equal(data.begin(), data.end(), b.as_buffer(true, true).data()));
+}
+
 TEST_CASE("disk: DISK buffers are not counted in mem_used", "[disk][host]") {
   TempDir dir;
   const auto before = GlobalCounters::mem_used.load();
