@@ -4,6 +4,14 @@
 
 #include <string>
 
+namespace tinydev {
+
+constinit std::atomic<std::int64_t> GlobalCounters::mem_used{0};
+constinit std::atomic<std::int64_t> GlobalCounters::kernel_count{0};
+constinit std::atomic<double> GlobalCounters::time_sum{0.0};
+
+}  // namespace tinydev
+
 namespace tinydev::detail {
 
 void write_log_line(std::string_view line) {

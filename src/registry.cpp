@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cctype>
+#include <type_traits>
 
 #include "tinydev/config.hpp"
 #include "tinydev/counters.hpp"
@@ -16,18 +17,34 @@
 // Backends are static libraries. The classic way to register them, a static initializer in each
 // backend's object file, silently does nothing in a consumer linked against the installed archives:
 // the linker only takes archive members that resolve an undefined symbol, and nothing references
-// the registering object. Instead the aggregate library `tinydev` holds one generated object,
-// builtin_backends.cpp, defining `tinydev_builtin_backends()`: a plain table naming each backend's
-// open function. The registry reaches it through a weak reference (so tinydev_core links alone,
-// with no backends, for tests that need no LLVM), and the `tinydev::tinydev` target carries
-// `--undefined=tinydev_builtin_backends` in its link options, which makes the linker take that
-// member, and through its references every backend, into any program linked against it.
-extern "C" const tinydev::BackendEntry* tinydev_builtin_backends(std::size_t* count)
-    __attribute__((weak));
+// the registering object. Instead each backend library holds one generated function,
+// `tinydev_backend_<name>()` (tinydev_add_backend), returning its row: name, open function, suffix.
+// The core's generated table (builtin_backends.cpp) refers to every backend of the build weakly
+// and hidden, so it links alone with no backends, and each backend target carries
+// `--undefined=tinydev_backend_<name>` in its link options, which makes the linker take that member,
+// and through it the backend, into any program that links the target: tinydev::core plus
+// tinydev::clang is a program with CLANG and no LLVM. pkg-config's Libs carry the same option.
+//
+// Note [Copies in one process]
+// Two plugins that each link tinydev statically put two copies in one process. The archives define
+// every symbol hidden (tinydev/export.hpp), so neither plugin exports tinydev and neither binds to
+// the other's symbols, whether linked or loaded with RTLD_GLOBAL or
+// RTLD_LOCAL: each copy has its own registry, devices, worker threads, caches in memory, settings,
+// log sink and profiler, and shares only what the process has once: the environment, signal
+// handlers (each copy chains to the handler before it and claims only faults in its own kernels),
+// the compile cache on disk (safe between processes already) and the profile file (Note [Two
+// copies, one profile] in src/profile.cpp). Every global of the library is trivially destructible
+// or never destroyed, so that a copy whose globals end up interposed anyway (two libraries built
+// with TINYDEV_EXPORT_API) is not destroyed twice at exit.
+namespace tinydev::detail {
+std::vector<BackendEntry> linked_backends();  // generated: builtin_backends.cpp
+}
 
 namespace tinydev {
 
 constinit DeviceRegistry Device;
+static_assert(std::is_trivially_destructible_v<DeviceRegistry>,
+              "the registry must survive being linked twice: Note [Copies in one process]");
 
 namespace {
 
@@ -116,7 +133,7 @@ DeviceSuffix DeviceRegistry::suffix_kind(std::string_view type) const {
     if (t == type) return DeviceSuffix::path;
   std::lock_guard lock(mutex_);
   ensure_builtins();
-  for (const Factory& f : factories_)
+  for (const Factory& f : *factories_)
     if (f.type == type) return f.suffix;
   return DeviceSuffix::verbatim;
 }
@@ -134,20 +151,17 @@ DeviceRegistry::SlotMap& DeviceRegistry::slots() const {
 
 void DeviceRegistry::ensure_builtins() const {
   // Caller holds mutex_.
-  if (builtins_loaded_) return;
-  builtins_loaded_ = true;
-  if (!tinydev_builtin_backends) return;
-  std::size_t count = 0;
-  const BackendEntry* entries = tinydev_builtin_backends(&count);
-  for (std::size_t i = 0; i < count; ++i)
-    factories_.push_back(Factory{entries[i].name, entries[i].open, entries[i].suffix});
+  if (factories_) return;
+  factories_ = new std::vector<Factory>();  // never freed: Note [Copies in one process]
+  for (const BackendEntry& entry : detail::linked_backends())
+    factories_->push_back(Factory{entry.name, entry.open, entry.suffix});
 }
 
 std::vector<std::string> DeviceRegistry::backends() const {
   std::lock_guard lock(mutex_);
   ensure_builtins();
   std::vector<std::string> out;
-  for (const Factory& f : factories_) out.push_back(f.type);
+  for (const Factory& f : *factories_) out.push_back(f.type);
   return out;
 }
 
@@ -162,13 +176,15 @@ std::vector<std::string> DeviceRegistry::opened() const {
 BackendFactory DeviceRegistry::factory_for(const std::string& type, const std::string& asked) const {
   // Caller holds mutex_.
   ensure_builtins();
-  for (const Factory& f : factories_)
+  for (const Factory& f : *factories_)
     if (f.type == type) return f.open;
   std::vector<std::string> have;
-  for (const Factory& f : factories_) have.push_back(f.type);
+  for (const Factory& f : *factories_) have.push_back(f.type);
   throw InvalidArgument(fmt::format(
       "unknown device '{}' (type {}): this build of tinydev has {}", quote_for_message(asked), type,
-      have.empty() ? std::string("no backends (link tinydev::tinydev, not tinydev::core)")
+      have.empty() ? std::string("no backends: link a backend target (tinydev::llvm, tinydev::clang, ...) or "
+                                  "tinydev::tinydev, not tinydev::core alone; by hand, use "
+                                  "`pkg-config --libs --static tinydev`")
                    : fmt::format("{}", fmt::join(have, ", "))));
 }
 
@@ -182,10 +198,10 @@ void DeviceRegistry::register_backend(std::string type, BackendFactory factory, 
                                       "ordinal or a path (DeviceSuffix::ordinal or ::path)", type));
   std::lock_guard lock(mutex_);
   ensure_builtins();
-  for (const Factory& f : factories_)
+  for (const Factory& f : *factories_)
     if (f.type == type)
       throw InvalidArgument(fmt::format("cannot register backend '{}': it is already registered", type));
-  factories_.push_back(Factory{std::move(type), std::move(factory), suffix});
+  factories_->push_back(Factory{std::move(type), std::move(factory), suffix});
 }
 
 Compiled& DeviceRegistry::operator[](std::string_view name) {

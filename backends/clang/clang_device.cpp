@@ -1,27 +1,37 @@
 // The CLANG backend: C source in, compiled by the newest clang on PATH in a subprocess (source on
 // stdin, object on stdout: no temporary files, a TINYDEV_COMPILE_TIMEOUT limit), loaded by the CPU
-// object runtime (the fast ELF loader on x86-64; ORC's JITLink for the rest in builds with LLVM).
+// object runtime (the fast ELF loader on x86-64; ORC's JITLink for the rest in programs that also
+// link the LLVM backend). Links no LLVM itself: Note [ORC only with the LLVM backend].
 #include <fmt/format.h>
 #include <sys/stat.h>
 #include <xxhash.h>
 
 #include <algorithm>
 #include <filesystem>
-#include <future>
+#include <exception>
+#include <thread>
 
 #include "cpu_blob.hpp"
 #include "cpu_hcq.hpp"
 #include "elf_loader.hpp"
 #include "host.hpp"
 #include "object_runtime.hpp"
-#if TINYDEV_CLANG_WITH_ORC
-#include "orc_linker.hpp"
-#endif
 #include "subprocess.hpp"
 #include "tinydev/compile.hpp"
 #include "tinydev/config.hpp"
 #include "tinydev/device.hpp"
 #include "tinydev/error.hpp"
+
+// Note [ORC only with the LLVM backend]
+// ORC's JITLink (tinydev_orc) links what the fast ELF loader declines. It drags in libLLVM (about
+// 130 MB mapped, with z3, ICU and libxml2), which a program that only wants CLANG should not pay
+// for. So CLANG refers to the ORC linker's factory weakly: in a program that links the LLVM
+// backend too (tinydev::tinydev, or tinydev::llvm beside tinydev::clang) the reference resolves
+// and CLANG falls back to ORC as before; in a CLANG-only program it is null, nothing of LLVM is
+// linked or loaded, and an object the fast loader declines is an error that says so.
+namespace tinydev::cpu {
+std::shared_ptr<ObjectLinker> make_orc_linker(std::string device_name) __attribute__((weak));
+}
 
 namespace tinydev {
 
@@ -73,13 +83,28 @@ class ClangCompiler final : public Compiler {
     // Note [C signatures from clang]: the IR for the signatures is made beside the object.
     std::vector<std::string> ir_argv{path_};
     ir_argv.insert(ir_argv.end(), kSignatureFlags.begin(), kSignatureFlags.end());
-    std::future<clang_backend::ProcessResult> ir = std::async(std::launch::async, [&] {
-      return clang_backend::run_process(ir_argv, source, std::chrono::seconds(timeout_s));
+    // A plain thread, not std::async: future<ProcessResult> would be a std template instance a
+    // plugin exports (tinydev/export.hpp).
+    clang_backend::ProcessResult signatures;
+    std::exception_ptr signatures_failed;
+    std::thread ir([&] {
+      try {
+        signatures = clang_backend::run_process(ir_argv, source, std::chrono::seconds(timeout_s));
+      } catch (...) {
+        signatures_failed = std::current_exception();
+      }
     });
     std::vector<std::string> argv{path_};
     argv.insert(argv.end(), kFlags.begin(), kFlags.end());
-    clang_backend::ProcessResult r = clang_backend::run_process(argv, source, std::chrono::seconds(timeout_s));
-    const clang_backend::ProcessResult signatures = ir.get();
+    clang_backend::ProcessResult r;
+    try {
+      r = clang_backend::run_process(argv, source, std::chrono::seconds(timeout_s));
+    } catch (...) {
+      ir.join();
+      throw;
+    }
+    ir.join();
+    if (signatures_failed) std::rethrow_exception(signatures_failed);
     check_finished(r, timeout_s, "compiling the kernel");
     // What came back is about to be cached and run: it must be an object for this host, or the
     // compile failed whatever the exit code says (a wrapper script, a broken install).
@@ -189,12 +214,11 @@ class ClangDevice final : public cpu::CpuHCQDevice {
  public:
   ClangDevice(const std::string& name, std::unique_ptr<ClangCompiler> compiler)
       : CpuHCQDevice(name, std::move(compiler), SourceLanguage::C, [](const std::string& device, cpu::CallOrdering* ordering) {
-          // ORC takes what the fast loader declines where the build has LLVM (Note [Two object loaders]).
-#if TINYDEV_CLANG_WITH_ORC
-          return std::make_unique<cpu::ObjectRuntime>(device, ordering, cpu::make_orc_linker(device));
-#else
-          return std::make_unique<cpu::ObjectRuntime>(device, ordering, nullptr);
-#endif
+          // ORC takes what the fast loader declines where the program has it (Note [ORC only
+          // with the LLVM backend], Note [Two object loaders]).
+          std::shared_ptr<cpu::ObjectLinker> linker;
+          if (cpu::make_orc_linker) linker = cpu::make_orc_linker(device);
+          return std::make_unique<cpu::ObjectRuntime>(device, ordering, std::move(linker));
         }) {}
 
   std::map<std::string, std::string> properties() const override {

@@ -9,6 +9,10 @@
 #include <string_view>
 #include <vector>
 
+#include "tinydev/export.hpp"
+
+TINYDEV_API_BEGIN
+
 namespace tinydev::clang_backend {
 
 // The most bytes kept of each of stdout and stderr; more is a runaway process, killed at once.
@@ -35,3 +39,5 @@ ProcessResult run_process(const std::vector<std::string>& argv, std::string_view
 std::string find_on_path(const std::string& program);
 
 }  // namespace tinydev::clang_backend
+
+TINYDEV_API_END

@@ -12,6 +12,9 @@
 #include <vector>
 
 #include "tinydev/compile.hpp"
+#include "tinydev/export.hpp"
+
+TINYDEV_API_BEGIN
 
 namespace tinydev::cuda {
 
@@ -46,3 +49,5 @@ class CudaCompiler final : public Compiler {
 std::string arch_for(int major, int minor);
 
 }  // namespace tinydev::cuda
+
+TINYDEV_API_END

@@ -37,6 +37,9 @@
 #include <string_view>
 
 #include "tinydev/hcq.hpp"
+#include "tinydev/export.hpp"
+
+TINYDEV_API_BEGIN
 
 namespace tinydev::cuda {
 
@@ -227,3 +230,5 @@ class CudaHCQDevice final : public HCQCompiled<CudaComputeQueue, CudaCopyQueue> 
 };
 
 }  // namespace tinydev::cuda
+
+TINYDEV_API_END

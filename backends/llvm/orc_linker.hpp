@@ -11,6 +11,9 @@
 #include <string>
 
 #include "object_runtime.hpp"
+#include "tinydev/export.hpp"
+
+TINYDEV_API_BEGIN
 
 namespace tinydev::cpu {
 
@@ -24,3 +27,5 @@ std::shared_ptr<ObjectLinker> make_orc_linker(std::string device_name);
 void initialize_llvm_native_target();
 
 }  // namespace tinydev::cpu
+
+TINYDEV_API_END

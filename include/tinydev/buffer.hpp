@@ -21,6 +21,9 @@
 
 #include "tinydev/dtype.hpp"
 #include "tinydev/memory.hpp"
+#include "tinydev/export.hpp"
+
+TINYDEV_API_BEGIN
 
 namespace tinydev {
 
@@ -137,3 +140,5 @@ std::string_view to_string(CopyPath path) noexcept;
 CopyPath copy(const Buffer& dest, const Buffer& src);
 
 }  // namespace tinydev
+
+TINYDEV_API_END

@@ -21,6 +21,9 @@
 #include <vector>
 
 #include "tinydev/memory.hpp"
+#include "tinydev/export.hpp"
+
+TINYDEV_API_BEGIN
 
 namespace tinydev {
 
@@ -168,3 +171,5 @@ class Runtime {
 };
 
 }  // namespace tinydev
+
+TINYDEV_API_END

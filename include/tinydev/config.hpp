@@ -18,6 +18,9 @@
 #include <string>
 #include <string_view>
 #include <vector>
+#include "tinydev/export.hpp"
+
+TINYDEV_API_BEGIN
 
 namespace tinydev {
 
@@ -82,3 +85,5 @@ Settings parse_settings(const std::map<std::string, std::string, std::less<>>& v
 }  // namespace detail
 
 }  // namespace tinydev
+
+TINYDEV_API_END

@@ -11,16 +11,21 @@
 #include <string_view>
 
 #include "tinydev/config.hpp"
+#include "tinydev/export.hpp"
+
+TINYDEV_API_BEGIN
 
 namespace tinydev {
 
+// One set per copy of tinydev in a process (Note [Copies in one process]): defined in counters.cpp,
+// not inline, so a plugin never shares them with another copy through a unique symbol.
 struct GlobalCounters {
   // Bytes held by allocated base Buffers (DISK buffers excluded, as in the seed).
-  static inline std::atomic<std::int64_t> mem_used{0};
+  static std::atomic<std::int64_t> mem_used;
   // Kernel launches: direct Program calls and execs run by device queues.
-  static inline std::atomic<std::int64_t> kernel_count{0};
+  static std::atomic<std::int64_t> kernel_count;
   // Seconds spent in kernels that were launched with wait=true.
-  static inline std::atomic<double> time_sum{0.0};
+  static std::atomic<double> time_sum;
 
   static void reset() noexcept {
     kernel_count = 0;
@@ -40,3 +45,5 @@ void debug_log(int level, fmt::format_string<Args...> format, Args&&... args) {
 }
 
 }  // namespace tinydev
+
+TINYDEV_API_END

@@ -16,6 +16,9 @@
 #include "tinydev/graph.hpp"
 #include "tinydev/memory.hpp"
 #include "tinydev/stream.hpp"
+#include "tinydev/export.hpp"
+
+TINYDEV_API_BEGIN
 
 namespace tinydev {
 
@@ -110,3 +113,5 @@ class Compiled {
 };
 
 }  // namespace tinydev
+
+TINYDEV_API_END

@@ -7,6 +7,9 @@
 #include <cstdint>
 #include <span>
 #include <string_view>
+#include "tinydev/export.hpp"
+
+TINYDEV_API_BEGIN
 
 namespace tinydev {
 
@@ -22,19 +25,19 @@ struct DType {
 };
 
 namespace dtypes {
-inline constexpr DType bool_{"bool", 1, '?', 0};
-inline constexpr DType int8{"char", 1, 'b', 1};
-inline constexpr DType uint8{"unsigned char", 1, 'B', 2};
-inline constexpr DType int16{"short", 2, 'h', 3};
-inline constexpr DType uint16{"unsigned short", 2, 'H', 4};
-inline constexpr DType int32{"int", 4, 'i', 5};
-inline constexpr DType uint32{"unsigned int", 4, 'I', 6};
-inline constexpr DType int64{"long", 8, 'q', 7};
-inline constexpr DType uint64{"unsigned long", 8, 'Q', 8};
-inline constexpr DType float16{"half", 2, 'e', 9};
-inline constexpr DType bfloat16{"__bf16", 2, '\0', 10};
-inline constexpr DType float32{"float", 4, 'f', 11};
-inline constexpr DType float64{"double", 8, 'd', 12};
+constexpr DType bool_{"bool", 1, '?', 0};
+constexpr DType int8{"char", 1, 'b', 1};
+constexpr DType uint8{"unsigned char", 1, 'B', 2};
+constexpr DType int16{"short", 2, 'h', 3};
+constexpr DType uint16{"unsigned short", 2, 'H', 4};
+constexpr DType int32{"int", 4, 'i', 5};
+constexpr DType uint32{"unsigned int", 4, 'I', 6};
+constexpr DType int64{"long", 8, 'q', 7};
+constexpr DType uint64{"unsigned long", 8, 'Q', 8};
+constexpr DType float16{"half", 2, 'e', 9};
+constexpr DType bfloat16{"__bf16", 2, '\0', 10};
+constexpr DType float32{"float", 4, 'f', 11};
+constexpr DType float64{"double", 8, 'd', 12};
 
 // Every dtype above, in promotion-priority order.
 std::span<const DType> all() noexcept;
@@ -45,3 +48,5 @@ std::span<const DType> all() noexcept;
 DType dtype_from_name(std::string_view name);
 
 }  // namespace tinydev
+
+TINYDEV_API_END

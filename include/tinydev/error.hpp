@@ -9,6 +9,9 @@
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include "tinydev/export.hpp"
+
+TINYDEV_API_BEGIN
 
 namespace tinydev {
 
@@ -82,3 +85,5 @@ std::string quote_for_message(std::string_view text, std::size_t max_chars = 100
 bool has_control_characters(std::string_view text) noexcept;
 
 }  // namespace tinydev
+
+TINYDEV_API_END

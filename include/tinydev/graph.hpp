@@ -21,6 +21,9 @@
 
 #include "tinydev/compile.hpp"
 #include "tinydev/memory.hpp"
+#include "tinydev/export.hpp"
+
+TINYDEV_API_BEGIN
 
 namespace tinydev {
 
@@ -92,3 +95,5 @@ class Compiled;
 std::unique_ptr<Graph> make_eager_graph(Compiled& device, std::vector<GraphNode> nodes);
 
 }  // namespace tinydev
+
+TINYDEV_API_END

@@ -18,6 +18,9 @@
 #include <vector>
 
 #include "tinydev/hcq_device.hpp"
+#include "tinydev/export.hpp"
+
+TINYDEV_API_BEGIN
 
 namespace tinydev {
 
@@ -355,3 +358,5 @@ class HCQAllocator : public LRUAllocator {
 };
 
 }  // namespace tinydev
+
+TINYDEV_API_END

@@ -20,6 +20,9 @@
 #include "tinydev/hcq_queue.hpp"
 #include "tinydev/memory.hpp"
 #include "tinydev/signal.hpp"
+#include "tinydev/export.hpp"
+
+TINYDEV_API_BEGIN
 
 namespace tinydev {
 
@@ -116,3 +119,5 @@ concept HCQDevice =
     };
 
 }  // namespace tinydev
+
+TINYDEV_API_END

@@ -25,6 +25,9 @@
 #include "tinydev/hcq_concepts.hpp"
 #include "tinydev/hcq_queue.hpp"
 #include "tinydev/profile.hpp"
+#include "tinydev/export.hpp"
+
+TINYDEV_API_BEGIN
 
 namespace tinydev {
 
@@ -505,3 +508,5 @@ class HCQProfileScope {
 };
 
 }  // namespace tinydev
+
+TINYDEV_API_END

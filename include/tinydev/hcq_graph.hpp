@@ -27,6 +27,9 @@
 
 #include "tinydev/graph.hpp"
 #include "tinydev/hcq.hpp"
+#include "tinydev/export.hpp"
+
+TINYDEV_API_BEGIN
 
 namespace tinydev {
 
@@ -267,3 +270,5 @@ class HCQGraph final : public Graph {
 };
 
 }  // namespace tinydev
+
+TINYDEV_API_END

@@ -33,6 +33,9 @@
 #include "tinydev/error.hpp"
 #include "tinydev/memory.hpp"
 #include "tinydev/signal.hpp"
+#include "tinydev/export.hpp"
+
+TINYDEV_API_BEGIN
 
 namespace tinydev {
 
@@ -310,3 +313,5 @@ class HWCopyQueue : public HWCommandQueue<Derived, Command> {
 };
 
 }  // namespace tinydev
+
+TINYDEV_API_END

@@ -27,6 +27,9 @@
 #include <string_view>
 #include <unordered_map>
 #include <vector>
+#include "tinydev/export.hpp"
+
+TINYDEV_API_BEGIN
 
 namespace tinydev {
 
@@ -353,3 +356,5 @@ template <>
 struct std::hash<tinydev::BufferOptions> {
   std::size_t operator()(const tinydev::BufferOptions& o) const noexcept { return o.bits(); }
 };
+
+TINYDEV_API_END

@@ -16,6 +16,9 @@
 #include <mutex>
 #include <string>
 #include <vector>
+#include "tinydev/export.hpp"
+
+TINYDEV_API_BEGIN
 
 namespace tinydev {
 
@@ -66,3 +69,5 @@ class Profiler {
 };
 
 }  // namespace tinydev
+
+TINYDEV_API_END

@@ -17,6 +17,9 @@
 #include <string>
 #include <string_view>
 #include <vector>
+#include "tinydev/export.hpp"
+
+TINYDEV_API_BEGIN
 
 namespace tinydev {
 
@@ -96,14 +99,16 @@ class DeviceRegistry {
   void ensure_builtins() const;
   BackendFactory factory_for(const std::string& type, const std::string& asked) const;
 
+  // Every member is trivially destructible, and what they point to is never freed, so that a
+  // registry linked twice into one process is never destroyed twice (Note [Copies in one
+  // process] in src/registry.cpp). std::mutex is trivially destructible on Linux.
   mutable std::mutex mutex_;
-  mutable bool builtins_loaded_ = false;
   struct Factory {
     std::string type;
     BackendFactory open;
     DeviceSuffix suffix;
   };
-  mutable std::vector<Factory> factories_{};
+  mutable std::vector<Factory>* factories_ = nullptr;  // the builtins first, on first use
   // Created on first use and never freed, on purpose: devices outlive every static destructor
   // that may still use them, and leak checkers see them reachable from this global.
   using SlotMap = std::map<std::string, std::shared_ptr<Slot>, std::less<>>;
@@ -116,3 +121,5 @@ class DeviceRegistry {
 extern constinit DeviceRegistry Device;
 
 }  // namespace tinydev
+
+TINYDEV_API_END

@@ -20,6 +20,9 @@
 
 #include "tinydev/buffer.hpp"
 #include "tinydev/dtype.hpp"
+#include "tinydev/export.hpp"
+
+TINYDEV_API_BEGIN
 
 namespace tinydev {
 
@@ -93,3 +96,5 @@ std::vector<LoadedTensor> load_safetensors(const std::string& path, std::string_
                                            const LoadProgressCallback& progress = {});
 
 }  // namespace tinydev
+
+TINYDEV_API_END

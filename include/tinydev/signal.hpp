@@ -27,6 +27,9 @@
 #include <string>
 #include <string_view>
 #include <vector>
+#include "tinydev/export.hpp"
+
+TINYDEV_API_BEGIN
 
 namespace tinydev {
 
@@ -235,3 +238,5 @@ void wait_signal_slot(SignalSlot& slot, std::uint64_t wanted, std::chrono::nanos
                       const Signal* handle_for_errors);
 
 }  // namespace tinydev
+
+TINYDEV_API_END

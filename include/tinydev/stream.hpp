@@ -30,6 +30,9 @@
 #include "tinydev/compile.hpp"
 #include "tinydev/graph.hpp"
 #include "tinydev/signal.hpp"
+#include "tinydev/export.hpp"
+
+TINYDEV_API_BEGIN
 
 namespace tinydev {
 
@@ -113,3 +116,5 @@ class Stream {
 };
 
 }  // namespace tinydev
+
+TINYDEV_API_END

@@ -16,6 +16,9 @@
 #include <vector>
 
 #include "tinydev/compile.hpp"
+#include "tinydev/export.hpp"
+
+TINYDEV_API_BEGIN
 
 namespace tinydev::cpu {
 
@@ -44,3 +47,5 @@ UnwrappedBlob unwrap_object(std::span<const std::byte> blob);
 std::vector<KernelInfo> ir_signatures(std::string_view ir);
 
 }  // namespace tinydev::cpu
+
+TINYDEV_API_END

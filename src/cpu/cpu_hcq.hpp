@@ -27,6 +27,9 @@
 
 #include "cpu_program.hpp"
 #include "tinydev/hcq.hpp"
+#include "tinydev/export.hpp"
+
+TINYDEV_API_BEGIN
 
 namespace tinydev::cpu {
 
@@ -260,3 +263,5 @@ class CpuHCQDevice : public HCQCompiled<CpuComputeQueue, CpuCopyQueue>, public C
 };
 
 }  // namespace tinydev::cpu
+
+TINYDEV_API_END

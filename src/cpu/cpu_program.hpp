@@ -16,6 +16,9 @@
 #include <string>
 
 #include "tinydev/compile.hpp"
+#include "tinydev/export.hpp"
+
+TINYDEV_API_BEGIN
 
 namespace tinydev::cpu {
 
@@ -66,3 +69,5 @@ std::shared_ptr<CpuProgram> make_cpu_program(std::string name, std::string devic
                                              CallOrdering* ordering);
 
 }  // namespace tinydev::cpu
+
+TINYDEV_API_END

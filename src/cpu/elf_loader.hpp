@@ -34,6 +34,9 @@
 #include <string>
 #include <string_view>
 #include <vector>
+#include "tinydev/export.hpp"
+
+TINYDEV_API_BEGIN
 
 namespace tinydev::cpu {
 
@@ -84,3 +87,5 @@ ElfLoadResult load_elf_x86_64(std::span<const std::byte> blob, std::string_view 
                               const SymbolResolver& resolve);
 
 }  // namespace tinydev::cpu
+
+TINYDEV_API_END

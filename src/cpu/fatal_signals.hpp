@@ -5,6 +5,10 @@
 // any thread, any number of times.
 #pragma once
 
+#include "tinydev/export.hpp"
+
+TINYDEV_API_BEGIN
+
 namespace tinydev::cpu {
 
 // The kernel a thread is running, for the fatal-signal message. The strings must outlive the
@@ -39,3 +43,5 @@ void install_fatal_signal_handlers();
 void ensure_alternate_signal_stack() noexcept;
 
 }  // namespace tinydev::cpu
+
+TINYDEV_API_END

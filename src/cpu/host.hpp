@@ -6,6 +6,9 @@
 
 #include <map>
 #include <string>
+#include "tinydev/export.hpp"
+
+TINYDEV_API_BEGIN
 
 namespace tinydev::cpu {
 
@@ -25,3 +28,5 @@ const HostTarget& host_target();
 std::map<std::string, std::string> host_properties(const HostTarget& target = host_target());
 
 }  // namespace tinydev::cpu
+
+TINYDEV_API_END

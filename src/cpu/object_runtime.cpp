@@ -59,16 +59,16 @@ ObjectRuntime::ObjectRuntime(std::string device_name, CallOrdering* ordering, st
   load_libm();
 #if !defined(__x86_64__)
   if (!linker_)
-    throw DeviceUnavailable(fmt::format("{}: this host has no fast object loader (x86-64 only) and tinydev was built "
-                                        "without LLVM, whose ORC linker would load objects here: rebuild with "
-                                        "-DTINYDEV_WITH_LLVM=ON",
+    throw DeviceUnavailable(fmt::format("{}: this host has no fast object loader (x86-64 only) and this program has "
+                                        "no ORC linker, which would load objects here: link the LLVM backend too "
+                                        "(tinydev::llvm; a build with -DTINYDEV_WITH_LLVM=ON)",
                                         device_));
 #endif
 }
 
 std::string ObjectRuntime::describe() const {
   return linker_ ? fmt::format("fast ELF loader, then {}", linker_->describe())
-                 : std::string("fast ELF loader only (built without LLVM)");
+                 : std::string("fast ELF loader only (no ORC linker: the program links no LLVM backend)");
 }
 
 std::shared_ptr<Program> ObjectRuntime::load(std::string_view kernel_name, std::span<const std::byte> wrapped) {
@@ -99,8 +99,9 @@ std::shared_ptr<Program> ObjectRuntime::load(std::string_view kernel_name, std::
   }
   if (!linker_)
     throw InvalidArgument(fmt::format("{}: could not load kernel '{}': the fast ELF loader declined the object ({}) "
-                                      "and this build has no general linker (built without LLVM): compile the "
-                                      "kernel without it, or rebuild tinydev with -DTINYDEV_WITH_LLVM=ON",
+                                      "and this program has no general linker (it links no LLVM backend): compile the "
+                                      "kernel without it, or link the LLVM backend too (tinydev::llvm; a build "
+                                      "with -DTINYDEV_WITH_LLVM=ON)",
                                       device_, quote_for_message(kernel_name), fast.declined));
   debug_log(2, "tinydev: {}: the fast loader declined '{}' ({}); loading with {}", device_, kernel_name,
             fast.declined, linker_->describe());

@@ -24,6 +24,9 @@
 
 #include "cpu_program.hpp"
 #include "tinydev/compile.hpp"
+#include "tinydev/export.hpp"
+
+TINYDEV_API_BEGIN
 
 namespace tinydev::cpu {
 
@@ -77,3 +80,5 @@ class ObjectRuntime final : public Runtime {
 };
 
 }  // namespace tinydev::cpu
+
+TINYDEV_API_END

@@ -9,6 +9,9 @@
 
 #include <cstddef>
 #include <cstdint>
+#include "tinydev/export.hpp"
+
+TINYDEV_API_BEGIN
 
 namespace tinydev::cpu {
 
@@ -30,3 +33,5 @@ class CpuThreadPool {
 };
 
 }  // namespace tinydev::cpu
+
+TINYDEV_API_END
