@@ -46,7 +46,7 @@ struct Buffer::State {
       if (adopted) allocator->release_adopted(*buf, alloc_bytes, alloc_options);
       else allocator->free(*buf, alloc_bytes, alloc_options);
     } catch (const std::exception& e) {
-      debug_log(1, "tinydev: freeing a {}-byte buffer on {} failed: {}", nbytes(), device, e.what());
+      debug_log(1, device, "freeing a {}-byte buffer on {} failed: {}", nbytes(), device, e.what());
     }
   }
 
@@ -264,28 +264,28 @@ CopyPath copy(const Buffer& dest, const Buffer& src) {
   FileReader* reader = from.file_reader();
   if (reader && to.supports_copy_from_disk() && n >= 4096) {
     path = CopyPath::copy_from_disk;
-    debug_log(2, "tinydev: copy {} -> {}: {} bytes by copy_from_disk ({})", src.device(), dest.device(), n,
+    debug_log(2, "buffer", "copy {} -> {}: {} bytes by copy_from_disk ({})", src.device(), dest.device(), n,
               reader->describe_reads());
     to.copy_from_disk(d, *reader, s, n);
   } else if (auto window = reader && !to.file_reader() ? to.as_buffer(d) : std::nullopt) {
     path = CopyPath::as_buffer;
-    debug_log(2, "tinydev: copy {} -> {}: {} bytes read into its host memory ({})", src.device(), dest.device(), n,
+    debug_log(2, "buffer", "copy {} -> {}: {} bytes read into its host memory ({})", src.device(), dest.device(), n,
               reader->describe_reads());
     reader->read_into(window->data(), s, n);
   } else if (device_type(src.device()) == device_type(dest.device()) && to.supports_transfer()) {
     path = CopyPath::transfer;
-    debug_log(2, "tinydev: copy {} -> {}: {} bytes by transfer", src.device(), dest.device(), n);
+    debug_log(2, "buffer", "copy {} -> {}: {} bytes by transfer", src.device(), dest.device(), n);
     to.transfer(d, s, n, Device[src.device()], Device[dest.device()]);
   } else if (reader) {
     // Through the reader, not the mapping: a file truncated meanwhile is an IoError, not SIGBUS.
-    debug_log(2, "tinydev: copy {} -> {}: {} bytes read into host memory ({}), then copyin", src.device(),
+    debug_log(2, "buffer", "copy {} -> {}: {} bytes read into host memory ({}), then copyin", src.device(),
               dest.device(), n, reader->describe_reads());
     std::vector<std::byte> bytes(n);
     reader->read_into(bytes.data(), s, n);
     target.copyin(bytes);
   } else {
     HostBytes bytes = src.as_buffer(/*allow_zero_copy=*/true);
-    debug_log(2, "tinydev: copy {} -> {}: {} bytes through host memory ({}), then copyin", src.device(),
+    debug_log(2, "buffer", "copy {} -> {}: {} bytes through host memory ({}), then copyin", src.device(),
               dest.device(), n, bytes.is_zero_copy() ? "zero copy" : "a copy");
     target.copyin(bytes.bytes());
   }

@@ -35,7 +35,7 @@ Blob Compiler::compile_cached(std::string_view source) {
                     "source; unset it or warm the cache):\n{}",
                     source),
         "");
-  debug_log(4, "compiling with {}:\n{}", cache_key_.value_or("uncached compiler"), source);
+  debug_log(4, "compiler", "compiling with {}:\n{}", cache_key_.value_or("uncached compiler"), source);
   Blob blob = compile(source);
   if (use_cache) DiskCache::global().put(*cache_key_, ident, source, blob);
   return blob;

@@ -1,4 +1,5 @@
 #include "tinydev/config.hpp"
+#include "tinydev/log.hpp"
 
 #include <fmt/format.h>
 
@@ -45,6 +46,7 @@ struct State {
   std::vector<std::unique_ptr<Settings>> snapshots;
   std::atomic<const Settings*> current{nullptr};
   std::set<std::string, std::less<>> warned_unknown;  // unknown TINYDEV_* names already reported
+  std::vector<std::string> pending_warnings;          // logged once the mutex is released
 };
 
 State& state() {
@@ -165,9 +167,8 @@ void warn_unknown(State& s) {
     std::string_view name = entry.substr(0, entry.find('='));
     if (std::find(std::begin(kVariables), std::end(kVariables), name) != std::end(kVariables)) continue;
     if (!s.warned_unknown.emplace(name).second) continue;
-    detail::write_log_line(fmt::format(
-        "tinydev: warning: {} is not a tinydev variable and is ignored; did you mean {}?",
-        quote_for_message(name), closest_known_variable(name)));
+    s.pending_warnings.push_back(fmt::format("{} is not a tinydev variable and is ignored; did you mean {}?",
+                                             quote_for_message(name), closest_known_variable(name)));
   }
 }
 
@@ -179,6 +180,16 @@ void read_environment(State& s) {
   }
   s.loaded = true;
   warn_unknown(s);
+}
+
+// Logs what read_environment queued, outside the mutex: a log sink may read settings.
+void log_pending_warnings(State& s) {
+  std::vector<std::string> pending;
+  {
+    std::lock_guard lock(s.mutex);
+    pending.swap(s.pending_warnings);
+  }
+  for (const std::string& warning : pending) log_message(LogLevel::warning, "config", warning);
 }
 
 // Builds and publishes a snapshot; on a parse error nothing changes. Caller holds the mutex.
@@ -220,10 +231,15 @@ Settings detail::parse_settings(const std::map<std::string, std::string, std::le
 const Settings& settings() {
   State& s = state();
   if (const Settings* cur = s.current.load(std::memory_order_acquire)) return *cur;
-  std::lock_guard lock(s.mutex);
-  if (!s.loaded) read_environment(s);
-  if (!s.current.load(std::memory_order_relaxed)) publish(s);
-  return *s.current.load(std::memory_order_relaxed);
+  const Settings* published = nullptr;
+  {
+    std::lock_guard lock(s.mutex);
+    if (!s.loaded) read_environment(s);
+    if (!s.current.load(std::memory_order_relaxed)) publish(s);
+    published = s.current.load(std::memory_order_relaxed);
+  }
+  log_pending_warnings(s);
+  return *published;
 }
 
 std::vector<std::string_view> known_variables() {
@@ -232,21 +248,28 @@ std::vector<std::string_view> known_variables() {
 
 void reload_environment() {
   State& s = state();
-  std::lock_guard lock(s.mutex);
-  RawValues previous = s.environment;
-  read_environment(s);
-  try {
-    publish(s);
-  } catch (...) {
-    s.environment = std::move(previous);
-    throw;
+  {
+    std::lock_guard lock(s.mutex);
+    RawValues previous = s.environment;
+    read_environment(s);
+    try {
+      publish(s);
+    } catch (...) {
+      s.environment = std::move(previous);
+      throw;
+    }
   }
+  log_pending_warnings(s);
 }
 
 ScopedOverride::ScopedOverride(std::string_view variable, std::optional<std::string> value)
     : variable_(variable), had_previous_(false) {
   check_known(variable);
   State& s = state();
+  struct LogWarningsAfterUnlock {  // destroyed after `lock` below
+    State& s;
+    ~LogWarningsAfterUnlock() { log_pending_warnings(s); }
+  } log_after{s};
   std::lock_guard lock(s.mutex);
   if (!s.loaded) read_environment(s);
   auto it = s.overrides.find(variable_);

@@ -178,7 +178,7 @@ struct DiskCache::Impl {
   void warn_once(const std::string& what) {
     if (warned || settings().debug < 1) return;
     warned = true;
-    debug_log(1, "tinydev: compile cache {}; entries are kept in memory only where this fails", what);
+    debug_log(1, "cache", "compile cache {}; entries are kept in memory only where this fails", what);
   }
 
   // Creates `path` 0700, and each missing parent 0700 (these are tinydev's to protect). Returns
@@ -377,10 +377,10 @@ std::optional<Blob> DiskCache::Impl::get(std::string_view key, std::string_view 
     stats.misses += 1;
     if (outcome == Outcome::corrupt) {
       stats.corrupt += 1;
-      debug_log(1, "tinydev: compile cache entry {}/{} failed verification; recompiling", folder, file);
+      debug_log(1, "cache", "compile cache entry {}/{} failed verification; recompiling", folder, file);
     } else if (outcome == Outcome::rejected) {
       stats.rejected_entries += 1;
-      debug_log(1, "tinydev: compile cache entry {}/{} {}: not loaded (Note [Cache trust]); recompiling",
+      debug_log(1, "cache", "compile cache entry {}/{} {}: not loaded (Note [Cache trust]); recompiling",
                 folder, file, why);
     }
     return std::nullopt;

@@ -68,9 +68,9 @@ void Profiler::register_exit_writer() {
       // needs no second one, and a failed one needs no second message. Pending device records
       // are flushed into events first, so work done after that write() is not lost.
       std::size_t n = Profiler::global().write_impl("", /*skip_if_unchanged=*/true);
-      debug_log(1, "tinydev: wrote {} profile events", n);
+      debug_log(1, "profile", "wrote {} profile events", n);
     } catch (const std::exception& e) {
-      std::fprintf(stderr, "tinydev: could not write the profile: %s\n", e.what());
+      log_message(LogLevel::error, "profile", std::string("could not write the profile: ") + e.what());
     }
   });
 }

@@ -225,7 +225,7 @@ Compiled& DeviceRegistry::operator[](std::string_view name) {
     throw DeviceUnavailable(fmt::format("backend for '{}' returned no device", canonical));
   // The device is whole now and will live until exit: it may hand out pointers to itself.
   opened->on_opened();
-  debug_log(1, "opened device {} from pid:{}", canonical, ::getpid());
+  debug_log(1, canonical, "opened device {} from pid:{}", canonical, ::getpid());
   Compiled* dev = opened.release();
   slot->device.store(dev, std::memory_order_release);
   return *dev;

@@ -7,7 +7,10 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <cstdio>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <mutex>
 #include <random>
 #include <thread>
@@ -52,6 +55,35 @@ inline std::vector<std::byte> random_bytes(std::size_t n, std::uint64_t seed) {
   std::mt19937_64 rng(seed);
   std::vector<std::byte> out(n);
   for (std::byte& b : out) b = static_cast<std::byte>(rng() & 0xff);
+  return out;
+}
+
+// Captures what the code in `body` writes to stderr (fd 2); stderr is restored if it throws.
+template <class Body>
+std::string capture_stderr(Body&& body) {
+  std::fflush(stderr);
+  char path[] = "/tmp/tinydev-stderr-XXXXXX";
+  const int fd = ::mkstemp(path);
+  REQUIRE(fd >= 0);
+  const int saved = ::dup(2);
+  ::dup2(fd, 2);
+  auto restore = [&] {
+    std::fflush(stderr);
+    ::dup2(saved, 2);
+    ::close(saved);
+    ::close(fd);
+  };
+  try {
+    body();
+  } catch (...) {
+    restore();
+    ::unlink(path);
+    throw;
+  }
+  restore();
+  std::ifstream in(path);
+  std::string out((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  ::unlink(path);
   return out;
 }
 

@@ -128,7 +128,7 @@ const Driver& driver() {
                                                                   : ""));
   }
   loaded.cuDriverGetVersion(&loaded.version);
-  debug_log(1, "tinydev: CUDA driver {} from {}", loaded.version, opened);
+  debug_log(1, "CUDA", "CUDA driver {} from {}", loaded.version, opened);
   state->driver = loaded;
   state->loaded = true;
   return state->driver;

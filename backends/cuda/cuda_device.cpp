@@ -479,7 +479,7 @@ void CudaHCQDevice::submit_commands(CudaLane lane, std::span<const CudaCommand> 
         }
         issue(static_cast<CUresult>(end_span(span, stream)), "launching the timestamp kernel", i);
         const std::int64_t launched = GlobalCounters::kernel_count.fetch_add(1, std::memory_order_relaxed) + 1;
-        debug_log(2, "*** {:<7} {:>6} {:<40} (queued)", name(), launched, c.program->name());
+        debug_log(2, name(), "*** {:<7} {:>6} {:<40} (queued)", name(), launched, c.program->name());
         break;
       }
       case CommandKind::copy:
@@ -512,9 +512,9 @@ std::optional<double> CudaHCQDevice::launch_direct(const CudaProgram& program, c
   const std::int64_t launched = GlobalCounters::kernel_count.fetch_add(1, std::memory_order_relaxed) + 1;
   if (seconds) {
     GlobalCounters::time_sum.fetch_add(*seconds, std::memory_order_relaxed);
-    debug_log(2, "*** {:<7} {:>6} {:<40} tm {:9.2f}us", name(), launched, program.name(), *seconds * 1e6);
+    debug_log(2, name(), "*** {:<7} {:>6} {:<40} tm {:9.2f}us", name(), launched, program.name(), *seconds * 1e6);
   } else {
-    debug_log(2, "*** {:<7} {:>6} {:<40} {:>4} B of arguments", name(), launched, program.name(), bytes);
+    debug_log(2, name(), "*** {:<7} {:>6} {:<40} {:>4} B of arguments", name(), launched, program.name(), bytes);
   }
   return seconds;
 }
@@ -652,7 +652,7 @@ void CudaHCQDevice::prepare_transfer(CudaHCQDevice& dest) {
       refused.insert(pair);
     }
   }
-  debug_log(2, "tinydev: transfer {} -> {}: {}", name(), dest.name(),
+  debug_log(2, name(), "transfer {} -> {}: {}", name(), dest.name(),
             enabled.count(pair) ? "peer to peer" : "staged through host memory by the driver (no peer access)");
 }
 
@@ -746,7 +746,7 @@ void release_at_exit() {
     try {
       device->synchronize();
     } catch (const std::exception& e) {
-      debug_log(1, "tinydev: {}: unfinished work at exit: {}", device->name(), e.what());
+      debug_log(1, device->name(), "unfinished work at exit: {}", e.what());
     }
     DeviceState& s = device->state();
     s.released.store(true, std::memory_order_release);

@@ -89,7 +89,7 @@ struct ThreadRing {
     const int rc = io_uring_queue_init(kRingEntries, &ring, 0);
     if (rc < 0) {
       if (g_uring_error.exchange(-rc) == 0)
-        debug_log(1, "tinydev: DISK: io_uring is not available here ({}): reading with pread", os_error(-rc));
+        debug_log(1, "DISK", "io_uring is not available here ({}): reading with pread", os_error(-rc));
       return nullptr;
     }
     owner = ::getpid();
@@ -181,8 +181,8 @@ class ReadQueue {
         if (rc != -EINTR) ::usleep(100);
       }
       if (rc < 0) {
-        std::fprintf(stderr, "tinydev: %s: io_uring_submit failed (%s) with a read queued in the ring\n",
-                     std::string(who_).c_str(), std::strerror(-rc));
+        log_message(LogLevel::error, who_,
+                    fmt::format("io_uring_submit failed ({}) with a read queued in the ring: aborting", std::strerror(-rc)));
         std::abort();
       }
       ++in_flight_;
@@ -247,8 +247,8 @@ class ReadQueue {
       if (rc < 0) {
         // Only a broken ring fails here; the reads may still be running, so nothing is safe to
         // free: this is fatal to the process rather than a silent overwrite later.
-        std::fprintf(stderr, "tinydev: %s: io_uring_wait_cqe failed (%s) with reads in flight\n",
-                     std::string(who_).c_str(), std::strerror(-rc));
+        log_message(LogLevel::error, who_,
+                    fmt::format("io_uring_wait_cqe failed ({}) with reads in flight: aborting", std::strerror(-rc)));
         std::abort();
       }
       const std::pair<std::size_t, std::int64_t> out{io_uring_cqe_get_data64(cqe), cqe->res};
@@ -498,7 +498,7 @@ class DiskFile {
         direct_fd_ = direct;
       } else {
         if (direct >= 0) ::close(direct);
-        debug_log(2, "tinydev: {}: the file system does not allow O_DIRECT here ({}): buffered reads", device_,
+        debug_log(2, device_, "the file system does not allow O_DIRECT here ({}): buffered reads",
                   direct < 0 ? os_error(errno) : std::string("the path now names another file"));
       }
     }

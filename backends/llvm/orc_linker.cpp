@@ -53,7 +53,7 @@ class OrcLinker final : public ObjectLinker {
     std::string device = jit_->device;
     jit_->jit->getExecutionSession().setErrorReporter([device](llvm::Error err) {
       std::string what = take(std::move(err));
-      debug_log(2, "tinydev: {} JIT: {}", device, what);
+      debug_log(2, device, "JIT: {}", what);
       t_link_error += (t_link_error.empty() ? "" : "; ") + what;
     });
     auto helpers = jit_->jit->createJITDylib("tinydev_helpers");
@@ -98,7 +98,7 @@ class OrcLinker final : public ObjectLinker {
     std::shared_ptr<void> owner(&jd, [jit](void* p) {
       auto* dylib = static_cast<llvm::orc::JITDylib*>(p);
       if (llvm::Error err = jit->jit->getExecutionSession().removeJITDylib(*dylib))
-        debug_log(1, "tinydev: unloading a kernel on {} failed: {}", jit->device, take(std::move(err)));
+        debug_log(1, jit->device, "unloading a kernel on {} failed: {}", jit->device, take(std::move(err)));
     });
     return Linked{std::move(owner), addr->toPtr<void*>()};
   }

@@ -1,16 +1,15 @@
-// tinydev/counters.hpp: process-wide counters (the seed's GlobalCounters) and TINYDEV_DEBUG logs.
+// tinydev/counters.hpp: process-wide counters (the seed's GlobalCounters).
 //
 // Counters are relaxed atomics: safe to read and update from any thread; a reading taken while
 // other threads work is a consistent value per counter, not across counters.
 #pragma once
-
-#include <fmt/format.h>
 
 #include <atomic>
 #include <cstdint>
 #include <string_view>
 
 #include "tinydev/config.hpp"
+#include "tinydev/log.hpp"  // debug_log, formerly declared here
 #include "tinydev/export.hpp"
 
 TINYDEV_API_BEGIN
@@ -32,17 +31,6 @@ struct GlobalCounters {
     time_sum = 0.0;
   }
 };
-
-namespace detail {
-void write_log_line(std::string_view line);  // one atomic write to stderr
-}
-
-// Prints a line to stderr when TINYDEV_DEBUG >= level. Formatting happens only when it prints.
-template <class... Args>
-void debug_log(int level, fmt::format_string<Args...> format, Args&&... args) {
-  if (settings().debug < level) return;
-  detail::write_log_line(fmt::format(format, std::forward<Args>(args)...));
-}
 
 }  // namespace tinydev
 

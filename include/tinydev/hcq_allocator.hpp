@@ -5,7 +5,7 @@
 // Thread safety: copies take the device's submit mutex; the LRU cache has its own lock.
 #pragma once
 
-#include <fmt/format.h>
+#include <fmt/core.h>
 
 #include <algorithm>
 #include <cstddef>
@@ -253,8 +253,8 @@ class HCQAllocator : public LRUAllocator {
       device_.wait_timeline_reached(device_.last_submitted_value(), device_.has_timed_out() ? std::chrono::seconds(1)
                                                                                      : std::chrono::seconds(30));
     } catch (const Timeout& e) {
-      debug_log(1, "tinydev: {}: leaking {} bytes instead of freeing them under running work: {}", device_.name(),
-                bytes, e.what());
+      debug_log(1, device_.name(), "leaking {} bytes instead of freeing them under running work: {}", bytes,
+                e.what());
       return false;
     } catch (const Error&) {
       // The work failed (a poisoned timeline): it will never touch the memory.

@@ -6,7 +6,7 @@
 // called from any thread.
 #pragma once
 
-#include <fmt/format.h>
+#include <fmt/core.h>
 
 #include <algorithm>
 #include <atomic>
@@ -100,7 +100,7 @@ class HCQCompiled : public Compiled {
       try {
         synchronize();
       } catch (const std::exception& e) {
-        debug_log(1, "tinydev: {}: could not finish work for the profile: {}", this->name(), e.what());
+        debug_log(1, this->name(), "could not finish work for the profile: {}", e.what());
       }
     });
   }
@@ -198,7 +198,7 @@ class HCQCompiled : public Compiled {
       if (abandoned_.size() >= 64) abandoned_.erase(abandoned_.begin());
       abandoned_.push_back(value);
       has_abandoned_.store(true, std::memory_order_release);
-      debug_log(1, "tinydev: {}: timeline value {} was reserved and dropped without its work: completed empty", name(), value);
+      debug_log(1, name(), "timeline value {} was reserved and dropped without its work: completed empty", value);
     } catch (const std::exception& e) {
       // Not even an empty queue went in: make the hole loud rather than a hang.
       timeline_slot_.load()->poison(fmt::format("{}: timeline value {} was reserved and dropped, and completing it "
@@ -258,7 +258,7 @@ class HCQCompiled : public Compiled {
       abandoned_.clear();
       has_abandoned_.store(false, std::memory_order_release);
     }
-    debug_log(1, "tinydev: {}: recovered from a fault: {}", name(), was);
+    debug_log(1, name(), "recovered from a fault: {}", was);
     return was;
   }
   SignalPool& signal_pool() const noexcept { return *pool_; }

@@ -17,7 +17,7 @@
 // Requirements on Device: tinydev::HCQDevice (tinydev/hcq_concepts.hpp).
 #pragma once
 
-#include <fmt/format.h>
+#include <fmt/core.h>
 
 #include <chrono>
 #include <memory>
@@ -80,9 +80,10 @@ class HCQGraph final : public Graph {
         signal_.wait(last_replay_end(), kDestroyWait);
       } catch (const Timeout& e) {
         finished = false;
-        debug_log(0, "tinydev: {}: a graph destroyed while its replay still runs after {} s; leaking its kernel "
-                  "arguments and programs instead of freeing them under it: {}",
-                  device_.name(), kDestroyWait.count(), e.what());
+        log_message(LogLevel::warning, device_.name(),
+                    fmt::format("a graph destroyed while its replay still runs after {} s; leaking its kernel "
+                                "arguments and programs instead of freeing them under it: {}",
+                                kDestroyWait.count(), e.what()));
       } catch (...) {
       }
     }

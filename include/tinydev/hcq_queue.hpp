@@ -14,7 +14,7 @@
 // Thread safety: one queue object is used by one thread at a time.
 #pragma once
 
-#include <fmt/format.h>
+#include <fmt/core.h>
 
 #include <algorithm>
 #include <atomic>

@@ -11,6 +11,7 @@
 #include "tinydev/graph.hpp"
 #include "tinydev/hcq.hpp"
 #include "tinydev/hcq_graph.hpp"
+#include "tinydev/log.hpp"
 #include "tinydev/memory.hpp"
 #include "tinydev/profile.hpp"
 #include "tinydev/registry.hpp"

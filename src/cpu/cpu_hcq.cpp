@@ -225,7 +225,7 @@ std::size_t execute_commands(const std::vector<CpuCommand>& commands, std::size_
           }
           if (blocked) blocked->running_name.store(nullptr, std::memory_order_release);
           const std::int64_t launched = GlobalCounters::kernel_count.fetch_add(1, std::memory_order_relaxed) + 1;
-          debug_log(2, "*** {:<7} {:>6} {:<40} arg {:>3} (queued)", device, launched, c.program->name(),
+          debug_log(2, device, "*** {:<7} {:>6} {:<40} arg {:>3} (queued)", device, launched, c.program->name(),
                     c.num_buffers + c.num_values);
           if (profiling) Profiler::global().add(ProfileEvent{c.program->name(), start, Profiler::now_ns(), device, lane});
           break;

@@ -119,7 +119,7 @@ std::optional<double> CpuProgram::operator()(std::span<const Allocation> buffers
   RunningKernelScope scope(&running);
   if (!params.wait) [[likely]] {
     launch(args, n, params.global);
-    debug_log(2, "*** {:<7} {:>6} {:<40} arg {:>3}", device_, launched, name(), n);
+    debug_log(2, device_, "*** {:<7} {:>6} {:<40} arg {:>3}", device_, launched, name(), n);
     return std::nullopt;
   }
   const std::uint64_t start = Profiler::now_ns();
@@ -128,7 +128,7 @@ std::optional<double> CpuProgram::operator()(std::span<const Allocation> buffers
   const double seconds = static_cast<double>(end - start) / 1e9;
   GlobalCounters::time_sum.fetch_add(seconds, std::memory_order_relaxed);
   if (Profiler::global().enabled()) Profiler::global().add(ProfileEvent{name(), start, end, device_, "COMPUTE"});
-  debug_log(2, "*** {:<7} {:>6} {:<40} arg {:>3} tm {:9.2f}us", device_, launched, name(), n, seconds * 1e6);
+  debug_log(2, device_, "*** {:<7} {:>6} {:<40} arg {:>3} tm {:9.2f}us", device_, launched, name(), n, seconds * 1e6);
   return seconds;
 }
 }  // namespace tinydev::cpu

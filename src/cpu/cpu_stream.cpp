@@ -42,7 +42,7 @@ class CpuStream final : public Stream {
       try {
         synchronize(std::chrono::seconds(30));
       } catch (const Timeout& e) {
-        debug_log(0, "tinydev: {}: dropped while its work still runs ({}); its lane is not reused", *name_, e.what());
+        log_message(LogLevel::warning, *name_, fmt::format("dropped while its work still runs ({}); its lane is not reused", e.what()));
         reusable = false;
       } catch (const std::exception&) {
         // The work failed: recovered below.

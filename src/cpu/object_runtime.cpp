@@ -103,7 +103,7 @@ std::shared_ptr<Program> ObjectRuntime::load(std::string_view kernel_name, std::
                                       "kernel without it, or link the LLVM backend too (tinydev::llvm; a build "
                                       "with -DTINYDEV_WITH_LLVM=ON)",
                                       device_, quote_for_message(kernel_name), fast.declined));
-  debug_log(2, "tinydev: {}: the fast loader declined '{}' ({}); loading with {}", device_, kernel_name,
+  debug_log(2, device_, "the fast loader declined '{}' ({}); loading with {}", kernel_name,
             fast.declined, linker_->describe());
 #endif
   return link(kernel_name, unwrapped);

@@ -29,26 +29,6 @@ std::string random_name(std::mt19937_64& rng) {
   return out;
 }
 
-// Captures what the code in `body` writes to stderr (fd 2).
-template <class Body>
-std::string capture_stderr(Body&& body) {
-  std::fflush(stderr);
-  char path[] = "/tmp/tinydev-stderr-XXXXXX";
-  const int fd = ::mkstemp(path);
-  REQUIRE(fd >= 0);
-  const int saved = ::dup(2);
-  ::dup2(fd, 2);
-  body();
-  std::fflush(stderr);
-  ::dup2(saved, 2);
-  ::close(saved);
-  ::close(fd);
-  std::ifstream in(path);
-  std::string out((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  ::unlink(path);
-  return out;
-}
-
 std::string random_source(std::uint64_t seed) {
   auto bytes = random_bytes(64 + seed % 256, seed);
   std::string s = "kernel " + std::to_string(seed) + "\n";
