@@ -31,10 +31,9 @@ Blob Compiler::compile_cached(std::string_view source) {
   }
   if (cfg.assert_compile)
     throw CompileError(
-        fmt::format("tried to compile with TINYDEV_ASSERT_COMPILE set (no cache entry for this "
-                    "source; unset it or warm the cache):\n{}",
-                    source),
-        "");
+        "tried to compile with TINYDEV_ASSERT_COMPILE set (no cache entry for this source; unset it or warm "
+        "the cache); log() holds the source, which begins",
+        std::string(source));
   debug_log(4, "compiler", "compiling with {}:\n{}", cache_key_.value_or("uncached compiler"), source);
   Blob blob = compile(source);
   if (use_cache) DiskCache::global().put(*cache_key_, ident, source, blob);

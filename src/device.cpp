@@ -18,8 +18,13 @@ Compiled::Compiled(std::string name, std::shared_ptr<Allocator> allocator,
 std::shared_ptr<Program> Compiled::load_kernel(std::string_view kernel_name, std::string_view source) {
   if (!runtime_)
     throw InvalidArgument(fmt::format("{} runs no kernels: it has no runtime", name_));
-  Blob blob = compiler_->compile_cached(source);
-  return runtime_->load(kernel_name, blob);
+  try {
+    Blob blob = compiler_->compile_cached(source);
+    return runtime_->load(kernel_name, blob);
+  } catch (Error& e) {
+    e.add_context(name_, kernel_name);  // the compiler knows neither (tinydev/error.hpp)
+    throw;
+  }
 }
 
 std::unique_ptr<Graph> Compiled::create_graph(std::vector<GraphNode> nodes) {

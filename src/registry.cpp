@@ -220,7 +220,13 @@ Compiled& DeviceRegistry::operator[](std::string_view name) {
   // Open outside the registry lock: a slow driver init blocks only those who want this device.
   std::lock_guard open_lock(slot->open_mutex);
   if (Compiled* dev = slot->device.load(std::memory_order_acquire)) return *dev;
-  std::unique_ptr<Compiled> opened = factory(canonical);
+  std::unique_ptr<Compiled> opened;
+  try {
+    opened = factory(canonical);
+  } catch (Error& e) {
+    e.add_context(canonical);
+    throw;
+  }
   if (!opened)
     throw DeviceUnavailable(fmt::format("backend for '{}' returned no device", canonical));
   // The device is whole now and will live until exit: it may hand out pointers to itself.

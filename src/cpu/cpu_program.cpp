@@ -108,8 +108,13 @@ void CpuProgram::launch(const std::uint64_t* args, std::size_t count, const Dim3
 
 std::optional<double> CpuProgram::operator()(std::span<const Allocation> buffers, std::span<const std::int32_t> values,
                                              const LaunchParams& params) {
-  check_launch(buffers.size(), values.size(), params.global);
-  if (ordering_) ordering_->before_direct_call();
+  try {
+    check_launch(buffers.size(), values.size(), params.global);
+    if (ordering_) ordering_->before_direct_call();
+  } catch (Error& e) {
+    e.add_context(device_, name());
+    throw;
+  }
   std::uint64_t args[kMaxKernelArgs];
   std::size_t n = 0;
   for (const Allocation& b : buffers) args[n++] = b.va_addr;

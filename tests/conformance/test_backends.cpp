@@ -70,6 +70,23 @@ TEST_CASE("backends: invalid source is a CompileError carrying the compiler's lo
       INFO(e.what());
       CHECK_FALSE(e.log().empty());
       CHECK(e.log().find("error") != std::string::npos);
+      CHECK(e.code() == ErrorCode::compile);
+    }
+    // Through load_kernel the error also says where: the device and the kernel, in what() (one
+    // line) and as fields, with the compiler's whole log kept in log().
+    const std::string kernel = "broken_" + std::to_string(fresh_seed() % 100000);
+    try {
+      dev.load_kernel(kernel, kBroken.for_device(dev));
+      FAIL("expected a CompileError");
+    } catch (const CompileError& e) {
+      const std::string what = e.what();
+      INFO(what);
+      CHECK(e.device() == dev.name());
+      CHECK(e.kernel() == kernel);
+      CHECK(what.find("'" + kernel + "'") != std::string::npos);
+      CHECK(what.starts_with(dev.name()));
+      CHECK(what.find('\n') == std::string::npos);
+      CHECK(e.log().find("error") != std::string::npos);
     }
   });
 }
