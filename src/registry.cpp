@@ -154,7 +154,7 @@ void DeviceRegistry::ensure_builtins() const {
   if (factories_) return;
   factories_ = new std::vector<Factory>();  // never freed: Note [Copies in one process]
   for (const BackendEntry& entry : detail::linked_backends())
-    factories_->push_back(Factory{entry.name, entry.open, entry.suffix});
+    factories_->push_back(Factory{entry.name, entry.open, entry.suffix, entry.count});
 }
 
 std::vector<std::string> DeviceRegistry::backends() const {
@@ -162,6 +162,31 @@ std::vector<std::string> DeviceRegistry::backends() const {
   ensure_builtins();
   std::vector<std::string> out;
   for (const Factory& f : *factories_) out.push_back(f.type);
+  return out;
+}
+
+std::vector<std::string> DeviceRegistry::available() {
+  std::vector<Factory> snapshot;
+  {
+    std::lock_guard lock(mutex_);
+    ensure_builtins();
+    snapshot = *factories_;
+  }
+  std::vector<std::string> out;
+  for (const Factory& f : snapshot) {
+    if (f.suffix == DeviceSuffix::path) continue;
+    if (f.count) {
+      const unsigned n = std::min(f.count(), kMaxDeviceOrdinal + 1);
+      for (unsigned i = 0; i < n; ++i) out.push_back(i == 0 ? f.type : fmt::format("{}:{}", f.type, i));
+      continue;
+    }
+    try {
+      (*this)[f.type];
+      out.push_back(f.type);
+    } catch (const Error& e) {
+      debug_log(1, f.type, "not available: {}", e.what());
+    }
+  }
   return out;
 }
 

@@ -43,15 +43,30 @@ double seconds_since(std::chrono::steady_clock::time_point start) {
 }
 
 int devices() {
+  // Device.available() decides what is usable (and opens the first device of each backend that
+  // cannot count its devices); each backend that lists nothing says why.
+  const std::vector<std::string> usable = tinydev::Device.available();
   for (const std::string& type : tinydev::Device.backends()) {
     if (tinydev::Device.suffix_kind(type) == tinydev::DeviceSuffix::path) {
       fmt::print("{:<8} usable: each device is a file, {}:/path/to/file or {}:shm:name\n", type, type, type);
       continue;
     }
+    bool listed = false;
+    for (const std::string& name : usable) {
+      if (name != type && !name.starts_with(type + ":")) continue;
+      listed = true;
+      try {
+        tinydev::Compiled& dev = tinydev::Device[name];
+        fmt::print("{:<8} usable\n", name);
+        for (const auto& [key, value] : dev.properties()) fmt::print("    {:<16} {}\n", key, value);
+      } catch (const tinydev::Error& e) {
+        fmt::print("{:<8} unavailable: {}\n", name, e.what());
+      }
+    }
+    if (listed) continue;
     try {
-      tinydev::Compiled& dev = tinydev::Device[type];
+      (void)tinydev::Device[type];  // listed nothing: opening it says why
       fmt::print("{:<8} usable\n", type);
-      for (const auto& [key, value] : dev.properties()) fmt::print("    {:<16} {}\n", key, value);
     } catch (const tinydev::Error& e) {
       fmt::print("{:<8} unavailable: {}\n", type, e.what());
     }

@@ -800,6 +800,19 @@ std::shared_ptr<DeviceState> open_state(const std::string& name) {
 }  // namespace
 }  // namespace cuda
 
+// The GPUs the driver sees (CUDA_VISIBLE_DEVICES applied), for Device.available(): 0 without a
+// usable driver. Opens no device.
+unsigned count_cuda_devices() noexcept {
+  try {
+    const cuda::Driver& api = cuda::driver();
+    int count = 0;
+    if (api.cuDeviceGetCount(&count) != CUDA_SUCCESS || count < 0) return 0;
+    return static_cast<unsigned>(count);
+  } catch (...) {
+    return 0;
+  }
+}
+
 std::unique_ptr<Compiled> open_cuda_device(const std::string& canonical_name) {
   auto device = std::make_unique<cuda::CudaHCQDevice>(canonical_name, cuda::open_state(canonical_name));
   return device;

@@ -59,6 +59,10 @@ struct BackendEntry {
   const char* name;
   std::unique_ptr<Compiled> (*open)(const std::string& canonical_name);
   DeviceSuffix suffix;
+  // How many devices of this type the machine has (CUDA: the driver's count; 0 when the backend
+  // cannot work here), without opening any; nullptr for backends that have one device or cannot
+  // tell, which available() probes by opening their first device. Never throws.
+  unsigned (*count)() = nullptr;
 };
 
 class DeviceRegistry {
@@ -79,6 +83,13 @@ class DeviceRegistry {
 
   // The backend types this build has, in registration order ("LLVM", "CLANG", ...).
   std::vector<std::string> backends() const;
+
+  // The devices usable on this machine, by canonical name in backend order: every device of a
+  // backend that can count its devices without opening them ("CUDA", "CUDA:1" on a machine with two
+  // GPUs; none without a driver), and the first device of each other backend if it opens ("LLVM",
+  // "CLANG"; opening it is the test). Path backends (DISK) are not listed: each file is a device.
+  // Never throws for a backend that cannot work here; it is just not listed.
+  std::vector<std::string> available();
 
   // Canonical names of the devices opened so far.
   std::vector<std::string> opened() const;
@@ -107,6 +118,7 @@ class DeviceRegistry {
     std::string type;
     BackendFactory open;
     DeviceSuffix suffix;
+    unsigned (*count)() = nullptr;
   };
   mutable std::vector<Factory>* factories_ = nullptr;  // the builtins first, on first use
   // Created on first use and never freed, on purpose: devices outlive every static destructor

@@ -300,6 +300,16 @@ TEST_CASE("cuda fake: properties name the GPU and its compute capability and the
   CHECK_FALSE(caps.host_visible_memory);
 }
 
+TEST_CASE("cuda fake: Device.available lists every GPU the driver counts by ordinal", "[cuda][fake]") {
+  Compiled* dev = fake_gpu();
+  if (!dev) return;
+  const char* configured = std::getenv("FAKE_CUDA_DEVICES");
+  const unsigned gpus = configured ? static_cast<unsigned>(std::stoul(configured)) : 2;  // the fake's default
+  std::vector<std::string> expected;
+  for (unsigned i = 0; i < gpus; ++i) expected.push_back(i == 0 ? "CUDA" : "CUDA:" + std::to_string(i));
+  CHECK(Device.available() == expected);
+}
+
 TEST_CASE("cuda fake: out of device memory frees the LRU cache and retries once", "[cuda][fake]") {
   Compiled* dev = fake_gpu();
   if (!dev) return;

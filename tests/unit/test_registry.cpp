@@ -1,3 +1,4 @@
+#include <algorithm>
 #include <thread>
 
 #include "support.hpp"
@@ -87,4 +88,24 @@ TEST_CASE("registry: with no usable backend - the default device error says why 
                                                  Catch::Contains("CUDA: not in this build") &&
                                                  Catch::Contains("LLVM: not in this build") &&
                                                  Catch::Contains("CLANG: not in this build"));
+}
+
+TEST_CASE("registry: available lists the backends whose first device opens and says nothing of the rest", "[registry]") {
+  register_fakes();
+  const std::string tag = std::to_string(fresh_seed() % 100000);
+  const std::string works = "AVAILOK" + tag, broken = "AVAILNO" + tag;
+  Device.register_backend(works, [](const std::string& name) -> std::unique_ptr<Compiled> {
+    return std::make_unique<FakeDevice>(name, std::make_shared<FakeAllocator>());
+  });
+  Device.register_backend(broken, [](const std::string&) -> std::unique_ptr<Compiled> {
+    throw DeviceUnavailable("no driver");
+  });
+  const std::vector<std::string> available = Device.available();
+  CHECK(std::find(available.begin(), available.end(), works) != available.end());
+  CHECK(std::find(available.begin(), available.end(), broken) == available.end());
+  CHECK(std::find(available.begin(), available.end(), "FAKE") != available.end());
+  // In backend order, each at most once.
+  std::vector<std::string> sorted = available;
+  std::sort(sorted.begin(), sorted.end());
+  CHECK(std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end());
 }
