@@ -43,8 +43,6 @@ void row(const std::string& what, double lib, double base, const std::string& ta
 
 int main(int argc, char** argv) {
   bench::g_quick = argc > 1 && std::string(argv[1]) == "--quick";
-  Device.register_backend("CUDA", &open_cuda_device);
-  Device.register_backend("DISK", &open_disk_device, DeviceSuffix::path);
   Compiled* dev = nullptr;
   try {
     dev = &Device["CUDA"];

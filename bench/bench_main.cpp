@@ -581,7 +581,8 @@ int main(int argc, char** argv) {
         {"hostile", bench_hostile_entries},
         {"cpu_speed", [&] { bench::bench_cpu_speed(row, exe); }},
         {"serving", [&] { bench::bench_serving(row); }},
-        {"disk", [&] { bench::bench_disk(row); }}};
+        {"disk", [&] { bench::bench_disk(row); }},
+        {"embedding", [&] { bench::bench_embedding(row); }}};
     for (const auto& [name, run] : sections)
       if (only.empty() || ("," + only + ",").find("," + name + ",") != std::string::npos) run();
     int missed = 0;

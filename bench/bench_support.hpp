@@ -56,6 +56,9 @@ void bench_serving(const RowFn& row);
 // bench_disk.cpp: DISK reads and load_safetensors (docs/disk.md).
 void bench_disk(const RowFn& row);
 
+// bench_embedding.cpp: what linking tinydev costs a program (docs/embedding.md).
+void bench_embedding(const RowFn& row);
+
 // p50 and p99 of latency samples.
 struct Percentiles {
   double p50 = 0, p99 = 0;

@@ -10,7 +10,10 @@
 #   set_property(GLOBAL APPEND PROPERTY TINYDEV_PKGCONFIG_LIBS_PRIVATE_<component> <flags>)
 #   set_property(GLOBAL APPEND PROPERTY TINYDEV_PKGCONFIG_REQUIRES_PRIVATE_<component> <package>)
 set(pc_dir ${PROJECT_BINARY_DIR}/pkgconfig)
-string(CONCAT pc_header "prefix=\${pcfiledir}/../..\nexec_prefix=\${prefix}\nlibdir=\${prefix}/${CMAKE_INSTALL_LIBDIR}\n"
+# The prefix relative to the .pc file's folder (lib/pkgconfig, or lib/x86_64-linux-gnu/pkgconfig),
+# so that an installed tree can move.
+string(REGEX REPLACE "[^/]+" ".." pc_up "${CMAKE_INSTALL_LIBDIR}/pkgconfig")
+string(CONCAT pc_header "prefix=\${pcfiledir}/${pc_up}\nexec_prefix=\${prefix}\nlibdir=\${prefix}/${CMAKE_INSTALL_LIBDIR}\n"
               "includedir=\${prefix}/${CMAKE_INSTALL_INCLUDEDIR}\n\n")
 set(all_requires "")
 foreach(component IN LISTS TINYDEV_COMPONENTS)
