@@ -160,11 +160,11 @@ class HCQAllocator : public LRUAllocator {
     }
     q.signal(src_device.timeline_signal(), value).submit(src_device);
     if (!same && mark_dest) {
-      const std::uint64_t value = dest_device.next_timeline_value();
+      const std::uint64_t dest_value = dest_device.next_timeline_value();
       dest_device.compute_queue()
           .wait(src_device.timeline_signal(), src_device.timeline_value() - 1)
-          .wait(dest_device.timeline_signal(), value - 1)
-          .signal(dest_device.timeline_signal(), value)
+          .wait(dest_device.timeline_signal(), dest_value - 1)
+          .signal(dest_device.timeline_signal(), dest_value)
           .submit(dest_device);
     }
   }

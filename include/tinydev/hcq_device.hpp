@@ -433,11 +433,20 @@ class HCQCompiled : public Compiled {
 
   void reclaim_signals() {
     std::lock_guard lock(submit_mutex_);
-    auto ready = std::stable_partition(pending_frees_.begin(), pending_frees_.end(), [](const auto& entry) {
-      return !std::all_of(entry.second.begin(), entry.second.end(), [](const TimelineMark& m) { return m.reached(); });
-    });
-    for (auto it = ready; it != pending_frees_.end(); ++it) pool_->recycle(it->first);
-    pending_frees_.erase(ready, pending_frees_.end());
+    // Recycles the slots whose marks are all reached and keeps the rest in order. A loop, not
+    // std::stable_partition, whose temporary buffer clang-19 flags as deprecated in consumers'
+    // -Werror builds against libstdc++ 12.
+    std::size_t kept = 0;
+    for (std::size_t i = 0; i < pending_frees_.size(); ++i) {
+      auto& entry = pending_frees_[i];
+      if (std::all_of(entry.second.begin(), entry.second.end(), [](const TimelineMark& m) { return m.reached(); })) {
+        pool_->recycle(entry.first);
+      } else {
+        if (kept != i) pending_frees_[kept] = std::move(entry);
+        ++kept;
+      }
+    }
+    pending_frees_.erase(pending_frees_.begin() + static_cast<std::ptrdiff_t>(kept), pending_frees_.end());
   }
 
  private:
