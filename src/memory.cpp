@@ -368,10 +368,18 @@ void LRUAllocator::free_cache() {
   release(all);
 }
 
-LRUStats LRUAllocator::stats() const {
+AllocatorStats Allocator::stats() const {
+  std::lock_guard lock(mutex_);
+  AllocatorStats out;
+  out.live_allocations = live_.size();
+  out.rejected_frees = rejected_frees_;
+  return out;
+}
+
+AllocatorStats LRUAllocator::stats() const {
   const std::uint64_t bound = max_bytes();
   std::lock_guard lock(mutex_);
-  LRUStats out = stats_;
+  AllocatorStats out = stats_;
   out.max_bytes = bound;
   out.live_allocations = live_.size();
   out.rejected_frees = rejected_frees_;

@@ -1,5 +1,5 @@
 // backends/llvm/orc_linker.hpp (installed as <tinydev/cpu/orc_linker.hpp>): ORC's JITLink as the
-// CPU object runtime's general linker (Note [Two object loaders] in src/cpu/elf_loader.hpp): it
+// CPU object runtime's general linker (Note [Two object loaders] in include/tinydev/cpu/elf_loader.hpp): it
 // links any object LLVM can, on any host, for what the fast ELF loader declines. Part of the
 // tinydev_orc target, which the LLVM backend and (in builds with LLVM) the CLANG backend link.
 // Includes no LLVM header.

@@ -153,6 +153,21 @@ class FileReader {
 
 // The seed's Allocator: `alloc` validates and forwards to the backend's `alloc_impl`; `free`
 // checks the allocation against the record of what was handed out, then calls `free_impl`.
+// An allocator's counters, read together under its lock: Compiled::allocator().stats(), no cast
+// needed. Allocators without a cache report only live_allocations and rejected_frees.
+struct AllocatorStats {
+  std::uint64_t hits = 0;          // allocs served from the cache
+  std::uint64_t misses = 0;        // allocs that went to the backend
+  std::uint64_t bytes_cached = 0;  // bytes currently held in the cache
+  std::uint64_t entries_cached = 0;
+  std::uint64_t evictions = 0;     // cached allocations freed to respect the byte bound
+  std::uint64_t oom_retries = 0;   // out-of-memory failures answered by dropping the cache
+  std::uint64_t max_bytes = 0;     // the cache's byte bound now in force; 0 = no bound
+  std::uint64_t live_allocations = 0;  // handed out and not freed yet
+  std::uint64_t rejected_frees = 0;    // frees refused (unknown allocation, twice, wrong size)
+};
+using LRUStats = AllocatorStats;  // its name before every allocator had stats
+
 class Allocator {
  public:
   virtual ~Allocator() = default;
@@ -208,6 +223,8 @@ class Allocator {
 
   // A short name for messages ("LLVM allocator").
   virtual std::string describe() const { return "allocator"; }
+  // The counters (AllocatorStats). Thread-safe.
+  virtual AllocatorStats stats() const;
   // Called by a device being destroyed that owns this allocator (HCQCompiled's destructor): frees
   // from then on must not wait on the device. Others ignore it.
   virtual void detach_device() noexcept {}
@@ -243,18 +260,6 @@ Allocation sub_allocation(const Allocation& base, std::size_t size, std::size_t 
 void check_fits(std::size_t bytes, const Allocation& allocation, std::string_view what, std::string_view who);
 }  // namespace detail
 
-// Counters of an LRUAllocator, read together under its lock.
-struct LRUStats {
-  std::uint64_t hits = 0;          // allocs served from the cache
-  std::uint64_t misses = 0;        // allocs that went to the backend
-  std::uint64_t bytes_cached = 0;  // bytes currently held in the cache
-  std::uint64_t entries_cached = 0;
-  std::uint64_t evictions = 0;     // cached allocations freed to respect the byte bound
-  std::uint64_t oom_retries = 0;   // out-of-memory failures answered by dropping the cache
-  std::uint64_t max_bytes = 0;     // the cache's byte bound now in force; 0 = no bound
-  std::uint64_t live_allocations = 0;  // handed out and not freed yet
-  std::uint64_t rejected_frees = 0;    // frees refused (unknown allocation, twice, wrong size)
-};
 
 // Note [Default LRU bound]: without TINYDEV_LRU_MAX_BYTES, a cache of host memory holds at most
 // 1/16 of the machine's physical memory, and never more than 2 GiB.
@@ -278,7 +283,7 @@ class LRUAllocator : public Allocator {
 
   // Frees every cached allocation to the backend.
   void free_cache();
-  LRUStats stats() const;
+  AllocatorStats stats() const override;
   // The byte bound in force: TINYDEV_LRU_MAX_BYTES if set, else this allocator's default.
   std::uint64_t max_bytes() const noexcept;
 
@@ -325,12 +330,12 @@ class LRUAllocator : public Allocator {
   Entry* lru_newest_ = nullptr;
   Entry* spare_ = nullptr;       // recycled Entry nodes: no heap allocation in steady state
   std::vector<std::unique_ptr<Entry[]>> slabs_;
-  LRUStats stats_;
+  AllocatorStats stats_;
 };
 
 // Host memory (the seed's MallocAllocator): 64-byte aligned, never zero-filled, host-readable
 // (zero-copy as_buffer), with views. MallocAllocator::shared() is one process-wide instance for
-// host-side users; the CPU devices have HCQ allocators of their own (src/cpu/cpu_hcq.hpp).
+// host-side users; the CPU devices have HCQ allocators of their own (include/tinydev/cpu/cpu_hcq.hpp).
 class MallocAllocator final : public LRUAllocator {
  public:
   MallocAllocator() = default;

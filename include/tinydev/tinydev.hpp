@@ -3,6 +3,7 @@
 
 #include "tinydev/buffer.hpp"
 #include "tinydev/compile.hpp"
+#include "tinydev/cpu/thread_pool.hpp"  // CpuThreadPool: the CPU backends' workers
 #include "tinydev/config.hpp"
 #include "tinydev/counters.hpp"
 #include "tinydev/device.hpp"

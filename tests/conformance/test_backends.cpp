@@ -196,6 +196,19 @@ TEST_CASE("backends: the allocator caches by size and options and mem_used follo
   });
 }
 
+TEST_CASE("backends: allocator statistics are read through Allocator without a cast", "[backends]") {
+  for_each_backend([](Compiled& dev) {
+    const std::size_t size = 4096 * (1 + fresh_seed() % 16);
+    const AllocatorStats before = dev.allocator().stats();
+    Allocation a = dev.allocator().alloc(size);
+    CHECK(dev.allocator().stats().live_allocations == before.live_allocations + 1);
+    CHECK_THROWS_AS(dev.allocator().free(a, size + 1), InvalidArgument);  // wrong size: refused, counted
+    CHECK(dev.allocator().stats().rejected_frees == before.rejected_frees + 1);
+    dev.allocator().free(a, size);
+    CHECK(dev.allocator().stats().live_allocations == before.live_allocations);
+  });
+}
+
 TEST_CASE("backends: buffers round-trip random bytes and views read their base at the offset", "[backends]") {
   for_each_backend([](Compiled& dev) {
     const std::uint64_t seed = fresh_seed();

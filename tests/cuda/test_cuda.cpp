@@ -316,7 +316,7 @@ TEST_CASE("cuda fake: out of device memory frees the LRU cache and retries once"
   // The fake GPU has 256 MiB (FAKE_CUDA_MEMORY unset). Three 64 MiB allocations freed into the
   // cache still hold their memory; a 128 MiB one then fits only once the cache is given back.
   constexpr std::size_t k64 = 64u << 20;
-  auto& lru = dynamic_cast<LRUAllocator&>(dev->allocator());
+  Allocator& lru = dev->allocator();  // stats() needs no cast to LRUAllocator
   const auto before = lru.stats();
   std::vector<Allocation> held;
   for (int i = 0; i < 3; ++i) held.push_back(dev->allocator().alloc(k64));

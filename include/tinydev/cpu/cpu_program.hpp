@@ -1,4 +1,4 @@
-// src/cpu/cpu_program.hpp (installed as <tinydev/cpu/cpu_program.hpp>): a loaded CPU kernel, as
+// include/tinydev/cpu/cpu_program.hpp: a loaded CPU kernel, as
 // every CPU backend's runtime hands it out, and how it is called (Note [CPU kernel calls], Note
 // [CPU grid ABI] in cpu_program.cpp). Includes no LLVM.
 //

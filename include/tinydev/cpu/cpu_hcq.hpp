@@ -1,4 +1,4 @@
-// src/cpu/cpu_hcq.hpp (installed as <tinydev/cpu/cpu_hcq.hpp>): the CPU as an HCQ device, the
+// include/tinydev/cpu/cpu_hcq.hpp: the CPU as an HCQ device, the
 // core every CPU backend builds on (target tinydev_cpu, which links no LLVM).
 //
 // The CPU backends' devices are CpuHCQDevices: each runs a compute queue and a copy queue on a

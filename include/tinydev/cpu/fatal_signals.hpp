@@ -1,4 +1,4 @@
-// src/cpu/fatal_signals.hpp: what a fatal signal in kernel code says before the process dies
+// include/tinydev/cpu/fatal_signals.hpp: what a fatal signal in kernel code says before the process dies
 // (Note [Fatal signals in kernels] in fatal_signals.cpp).
 //
 // Thread safety: RunningKernelScope is per thread; install_fatal_signal_handlers may be called from

@@ -1,4 +1,4 @@
-// src/cpu/host.hpp (installed as <tinydev/cpu/host.hpp>): what the CPU backends know about the
+// include/tinydev/cpu/host.hpp: what the CPU backends know about the
 // host they run on, detected once without LLVM (the LLVM backend asks LLVM for its own view).
 //
 // Thread safety: the functions may be called concurrently; detection runs once.

@@ -1,4 +1,4 @@
-// src/cpu/elf_loader.hpp: a small loader for x86-64 ELF relocatable objects, the fast path of
+// include/tinydev/cpu/elf_loader.hpp: a small loader for x86-64 ELF relocatable objects, the fast path of
 // the CPU backends' ObjectRuntime (installed with the CPU headers; few users need it directly).
 //
 // Note [Two object loaders]

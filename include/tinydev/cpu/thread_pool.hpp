@@ -1,4 +1,4 @@
-// src/cpu/thread_pool.hpp (installed as <tinydev/cpu/thread_pool.hpp>): the worker threads CPU
+// include/tinydev/cpu/thread_pool.hpp: the worker threads CPU
 // kernels launched with a grid run on (Note [CPU grid ABI] in cpu_program.cpp).
 //
 // Ownership: one process-wide pool, created on first use and never destroyed (its threads are

@@ -1,4 +1,4 @@
-// src/cpu/object_runtime.hpp (installed as <tinydev/cpu/object_runtime.hpp>): the runtime of the
+// include/tinydev/cpu/object_runtime.hpp: the runtime of the
 // CPU backends, which loads relocatable objects (ELF, as their compilers return them) and hands
 // out CpuPrograms. Includes and links no LLVM.
 //

@@ -1,4 +1,4 @@
-// src/cpu/cpu_blob.hpp (installed as <tinydev/cpu/cpu_blob.hpp>): what the CPU compilers return
+// include/tinydev/cpu/cpu_blob.hpp: what the CPU compilers return
 // and the compile cache stores: the object file, prefixed by the kernels' signatures (how many
 // buffers, how many int32 values) so that launches with the wrong counts are errors instead of
 // undefined behaviour.
