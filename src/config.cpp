@@ -27,7 +27,7 @@ constexpr std::string_view kVariables[] = {
     "TINYDEV_LRU_MAX_BYTES",  "TINYDEV_DISABLE_COMPILER_CACHE",
     "TINYDEV_ASSERT_COMPILE", "TINYDEV_CACHE_DIR",       "TINYDEV_CACHE_MAX_BYTES",
     "TINYDEV_PROFILE",        "TINYDEV_CPU_THREADS",     "TINYDEV_FATAL_SIGNALS",     "TINYDEV_COMPILE_TIMEOUT",
-    "TINYDEV_CUDA_DRIVER",    "TINYDEV_CUDA_PTX",        "TINYDEV_DISK_IO",
+    "TINYDEV_CUDA_DRIVER",    "TINYDEV_CUDA_PTX",        "TINYDEV_DISK_IO",           "TINYDEV_PROFILE_MAX_EVENTS",
 };
 constexpr std::string_view kPrefix = "TINYDEV_";
 
@@ -106,6 +106,8 @@ Settings parse_with(Get get) {
   if (auto v = get("TINYDEV_CACHE_MAX_BYTES"); v && !v->empty())
     out.cache_max_bytes = parse_byte_count(*v, "TINYDEV_CACHE_MAX_BYTES");
   if (auto v = get("TINYDEV_PROFILE"); v && !v->empty()) out.profile = parse_path("TINYDEV_PROFILE", *v);
+  if (auto v = get("TINYDEV_PROFILE_MAX_EVENTS"); v && !v->empty())
+    out.profile_max_events = static_cast<std::uint64_t>(parse_int("TINYDEV_PROFILE_MAX_EVENTS", *v, 1, 1'000'000'000));
   if (auto v = get("TINYDEV_CPU_THREADS"); v && !v->empty())
     out.cpu_threads = parse_int("TINYDEV_CPU_THREADS", *v, 1, 1024);
   if (auto v = get("TINYDEV_COMPILE_TIMEOUT"); v && !v->empty())

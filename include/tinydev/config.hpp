@@ -36,6 +36,7 @@ struct Settings {
   std::string cache_dir;                        // TINYDEV_CACHE_DIR, resolved; "" = no folder
   std::uint64_t cache_max_bytes = 1ull << 30;   // TINYDEV_CACHE_MAX_BYTES
   std::string profile;                          // TINYDEV_PROFILE: trace file written at exit
+  std::uint64_t profile_max_events = 1'000'000; // TINYDEV_PROFILE_MAX_EVENTS: events kept; the rest counted
   int cpu_threads = 0;                          // TINYDEV_CPU_THREADS; 0 = the core count
   int compile_timeout_s = 300;                  // TINYDEV_COMPILE_TIMEOUT: a compiler subprocess's limit
   std::string cuda_driver;                      // TINYDEV_CUDA_DRIVER: the driver library; "" = libcuda.so.1

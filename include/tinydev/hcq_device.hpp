@@ -52,6 +52,7 @@ struct ProfileRecord {
   Signal start, end;
   std::string name;
   bool is_copy;
+  std::uint64_t request = 0;  // Profiler::current_request() where the work was issued
 };
 
 template <class ComputeQueue, class CopyQueue>
@@ -96,7 +97,10 @@ class HCQCompiled : public Compiled {
   // under construction or destruction.
   void on_opened() override {
     Compiled::on_opened();
-    profile_hook_ = Profiler::global().on_flush([this] {
+    profile_hook_ = Profiler::global().on_flush([this](bool finish) {
+      // Profiler::write() takes what is done and waits for nothing; the exit writer finishes the
+      // device's work first so that the file has all of it.
+      if (!finish) return process_profile_records(/*finished_only=*/true);
       try {
         synchronize();
       } catch (const std::exception& e) {
@@ -386,16 +390,25 @@ class HCQCompiled : public Compiled {
     std::lock_guard lock(submit_mutex_);
     profile_records_.push_back(std::move(record));
   }
-  void process_profile_records() {
+  // Turns records into events: all of them (after a synchronize), or with `finished_only` those
+  // whose end timestamp the queue has stored already (a profile written while work runs).
+  void process_profile_records(bool finished_only = false) {
     std::lock_guard lock(submit_mutex_);
-    for (ProfileRecord& r : profile_records_) {
+    std::size_t kept = 0;
+    for (std::size_t i = 0; i < profile_records_.size(); ++i) {
+      ProfileRecord& r = profile_records_[i];
+      if (finished_only && (r.start.timestamp() == 0 || r.end.timestamp() == 0)) {
+        if (kept != i) profile_records_[kept] = std::move(r);
+        ++kept;
+        continue;
+      }
       Profiler::global().add(ProfileEvent{r.name, device_to_cpu_ns(r.start.timestamp(), r.is_copy),
                                           device_to_cpu_ns(r.end.timestamp(), r.is_copy), name(),
-                                          r.is_copy ? "DMA" : "COMPUTE"});
+                                          r.is_copy ? "DMA" : "COMPUTE", r.request});
       pool_->free(r.start);
       pool_->free(r.end);
     }
-    profile_records_.clear();
+    profile_records_.erase(profile_records_.begin() + static_cast<std::ptrdiff_t>(kept), profile_records_.end());
   }
   virtual std::uint64_t device_to_cpu_ns(std::uint64_t device_ns, bool is_copy) const = 0;
 
@@ -479,6 +492,9 @@ class HCQProfileScope {
     if (!enabled_) return;
     start_ = device.alloc_signal();
     end_ = device.alloc_signal();
+    // Pooled signals may hold an old timestamp: 0 marks "not stored yet" (process_profile_records).
+    start_.slot().timestamp_ns.store(0, std::memory_order_relaxed);
+    end_.slot().timestamp_ns.store(0, std::memory_order_relaxed);
     if (queue_) queue_->timestamp(start_);
     else submit_timestamp(start_);
   }
@@ -492,7 +508,7 @@ class HCQProfileScope {
     }
     if (queue_) queue_->timestamp(end_);
     else submit_timestamp(end_);
-    device_.add_profile_record(ProfileRecord{start_, end_, std::move(name_), is_copy_});
+    device_.add_profile_record(ProfileRecord{start_, end_, std::move(name_), is_copy_, Profiler::current_request()});
   }
   HCQProfileScope(const HCQProfileScope&) = delete;
   HCQProfileScope& operator=(const HCQProfileScope&) = delete;

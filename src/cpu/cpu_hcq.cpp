@@ -61,7 +61,8 @@ void CpuComputeQueue::_exec(const CpuProgram& program, const Kernargs& kernargs,
                                       program.name()));
   mutable_commands().push_back(CpuCommand{.kind = CommandKind::exec, .program = &program, .kernargs = kernargs.ptr,
                                           .num_buffers = kernargs.num_buffers, .num_values = kernargs.num_values,
-                                          .global = global, .local = local});
+                                          .global = global, .local = local,
+                                          .request = Profiler::current_request()});
 }
 
 void CpuComputeQueue::_update_exec(std::size_t cmd, Dim3 global, Dim3 local) {
@@ -227,7 +228,8 @@ std::size_t execute_commands(const std::vector<CpuCommand>& commands, std::size_
           const std::int64_t launched = GlobalCounters::kernel_count.fetch_add(1, std::memory_order_relaxed) + 1;
           debug_log(2, device, "*** {:<7} {:>6} {:<40} arg {:>3} (queued)", device, launched, c.program->name(),
                     c.num_buffers + c.num_values);
-          if (profiling) Profiler::global().add(ProfileEvent{c.program->name(), start, Profiler::now_ns(), device, lane});
+          if (profiling)
+            Profiler::global().add(ProfileEvent{c.program->name(), start, Profiler::now_ns(), device, lane, c.request});
           break;
         }
         case CommandKind::copy:

@@ -123,7 +123,12 @@ std::optional<double> CpuProgram::operator()(std::span<const Allocation> buffers
   RunningKernel running{name().c_str(), device_.c_str(), "a direct call"};  // Note [Fatal signals in kernels]
   RunningKernelScope scope(&running);
   if (!params.wait) [[likely]] {
+    // A direct call runs on the caller's thread: with profiling on it is timed and traced whether
+    // or not the caller waits for the time (the trace must show eager work too).
+    const bool profiling = Profiler::global().enabled();
+    const std::uint64_t start = profiling ? Profiler::now_ns() : 0;
     launch(args, n, params.global);
+    if (profiling) Profiler::global().add(ProfileEvent{name(), start, Profiler::now_ns(), device_, "COMPUTE"});
     debug_log(2, device_, "*** {:<7} {:>6} {:<40} arg {:>3}", device_, launched, name(), n);
     return std::nullopt;
   }

@@ -237,6 +237,7 @@ TEST_CASE("profile: the trace is JSON with one process per device - COMPUTE and 
     std::vector<float> out(n);
     o.copyout(std::span<float>(out));
     CHECK(out[7] == data[7] + data[7]);
+    dev.synchronize();  // write() waits for no device: work still in flight would come in a later write
     const std::size_t written = Profiler::global().write();
     Profiler::global().enable("");
     CHECK(written >= 3);
@@ -266,4 +267,74 @@ TEST_CASE("profile: the trace is JSON with one process per device - COMPUTE and 
     CHECK(names[dev.name() + " -> CPU"] >= 1);
     CHECK(names["add"] >= 1);
   }, Needs{.kernels = true, .cuda_too = true});
+}
+
+TEST_CASE("profile: write() waits for no device and queued work carries the request it was issued under", "[profile]") {
+  for_each_hcq_device([](auto& dev) {
+    TempDir dir;
+    const std::string path = dir.str() + "/live.json";
+    Profiler::global().enable(path);
+    Profiler::global().clear();
+    auto inc = load_program(dev, "ping", inc_kernel("ping"));  // a name the fake CUDA driver knows
+    Buffer a = int_counter(dev), b = int_counter(dev);
+    Kernargs args = dev.alloc_kernargs(2, 0);
+    const Allocation to_b[] = {b.allocation(), a.allocation()};
+    fill_kernargs(*inc, args, to_b, {});
+    Signal gate = dev.alloc_signal(0);
+    const std::uint64_t request = 1 + fresh_seed() % 1000000;
+    {
+      // A queue held up behind a gate nobody has opened yet, issued inside a request's range.
+      ProfileRange range("request", request);
+      std::lock_guard lock(dev.submit_mutex());
+      const std::uint64_t v = dev.next_timeline_value();
+      dev.compute_queue().wait(dev.timeline_signal(), v - 1).wait(gate, 1).exec(*inc, args, {1, 1, 1}, {1, 1, 1})
+          .signal(dev.timeline_signal(), v).submit(dev);
+    }
+    // The old writer synchronized every device first and would hang here until the gate opened.
+    const auto start = std::chrono::steady_clock::now();
+    Profiler::global().write();
+    CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(5));
+    gate.set(1);
+    dev.synchronize();
+    Profiler::global().write();
+    Profiler::global().use_environment();
+    dev.free_signal(gate);
+    CHECK(read_int(b) == 1);
+    std::ifstream f(path);
+    const nlohmann::json trace = nlohmann::json::parse(f);
+    bool found = false;
+    for (const auto& e : trace.at("traceEvents"))
+      if (e.at("ph") == "X" && e.at("name") == "ping") {
+        found = true;
+        CHECK(e.at("args").at("request") == request);
+      }
+    CHECK(found);
+  }, Needs{.kernels = true, .cuda_too = true});
+}
+
+TEST_CASE("profile: eager direct calls are traced without waiting for their time", "[profile]") {
+  for_each_backend(Needs{.kernels = true, .cuda_too = true, .add_kernel = true}, [](Compiled& dev) {
+    TempDir dir;
+    Profiler::global().enable(dir.str() + "/eager.json");
+    Profiler::global().clear();
+    const std::string name = "add";  // a name the fake CUDA driver knows; clear() above leaves only these calls
+    auto add = dev.load_kernel(name, kernels::add_f32(dev.source_language(), name));
+    const std::size_t n = 1024;
+    Buffer a(dev.name(), n, dtypes::float32), o(dev.name(), n, dtypes::float32);
+    const auto data = random_floats(n, fresh_seed());
+    a.allocate().copyin(std::span<const float>(data));
+    o.allocate();
+    const Allocation args[] = {o.allocation(), a.allocation(), a.allocation()};
+    const std::int32_t vals[] = {static_cast<std::int32_t>(n)};
+    const int calls = 3 + static_cast<int>(fresh_seed() % 5);
+    for (int i = 0; i < calls; ++i) CHECK_FALSE((*add)(args, vals, LaunchParams{.wait = false}).has_value());
+    dev.synchronize();
+    int traced = 0;
+    for (const ProfileEvent& e : Profiler::global().events()) traced += e.name == name && e.device == dev.name();
+    Profiler::global().use_environment();
+    std::vector<float> out(n);
+    o.copyout(std::span<float>(out));
+    CHECK(out[n / 2] == data[n / 2] + data[n / 2]);
+    CHECK(traced == calls);
+  });
 }

@@ -47,6 +47,7 @@ struct CpuCommand {
   std::byte* dest = nullptr;  // copy
   const std::byte* src = nullptr;
   std::uint64_t size = 0;
+  std::uint64_t request = 0;  // exec: Profiler::current_request() where it was recorded
 };
 
 
