@@ -1,5 +1,7 @@
 #include "tinydev/graph.hpp"
 
+#include <atomic>
+
 #include <fmt/format.h>
 
 #include <chrono>
@@ -9,7 +11,12 @@
 
 namespace tinydev {
 
-Graph::Graph(std::vector<GraphNode> nodes) : nodes_(std::move(nodes)) {
+namespace {
+std::atomic<std::uint64_t> g_next_graph_id{1};
+}  // namespace
+
+Graph::Graph(std::vector<GraphNode> nodes)
+    : nodes_(std::move(nodes)), id_(g_next_graph_id.fetch_add(1, std::memory_order_relaxed)) {
   // Input and variable numbers index replay arguments and size the graph's tables: bound them, so
   // that `index + 1` cannot wrap and a stray number cannot make the graph allocate without end.
   auto check_index = [](std::size_t index, std::size_t node, std::string_view what) {

@@ -42,6 +42,7 @@ std::string json_escape(std::string_view s) {
 const std::uint64_t kEpochNs = Profiler::now_ns();  // trace time 0
 
 thread_local std::uint64_t tls_request = 0;  // the innermost ProfileRange's id on this thread
+thread_local std::uint64_t tls_graph = 0;    // the graph this thread records (ProfileGraphScope)
 
 // A small number per thread for the "USER <n>" lanes (thread ids would be long and unstable).
 std::uint64_t thread_number() {
@@ -119,6 +120,10 @@ std::uint64_t Profiler::now_ns() noexcept {
 }
 
 std::uint64_t Profiler::current_request() noexcept { return tls_request; }
+std::uint64_t Profiler::current_graph() noexcept { return tls_graph; }
+
+ProfileGraphScope::ProfileGraphScope(std::uint64_t graph) noexcept : outer_(tls_graph) { tls_graph = graph; }
+ProfileGraphScope::~ProfileGraphScope() { tls_graph = outer_; }
 
 bool Profiler::enabled() const {
   switch (mode_.load(std::memory_order_acquire)) {
@@ -245,7 +250,10 @@ std::size_t Profiler::write_impl(std::string path, bool skip_if_unchanged, bool 
     const double ts = (static_cast<double>(e.start_ns) - static_cast<double>(kEpochNs)) / 1e3;
     const double dur = e.end_ns > e.start_ns ? static_cast<double>(e.end_ns - e.start_ns) / 1e3 : 0.0;
     last_ts = std::max(last_ts, ts + dur);
-    const std::string args = e.request ? fmt::format(R"(,"args":{{"request":{}}})", e.request) : std::string();
+    std::string args;
+    if (e.request && e.graph) args = fmt::format(R"(,"args":{{"request":{},"graph":{}}})", e.request, e.graph);
+    else if (e.request) args = fmt::format(R"(,"args":{{"request":{}}})", e.request);
+    else if (e.graph) args = fmt::format(R"(,"args":{{"graph":{}}})", e.graph);
     emit(fmt::format(R"({{"name":"{}","ph":"X","pid":{},"tid":{},"ts":{:.3f},"dur":{:.3f}{}}})", json_escape(e.name),
                      pids[e.device], tids[{e.device, e.lane}], ts, dur, args));
   }

@@ -71,6 +71,8 @@ class Graph {
   virtual std::optional<double> replay(std::span<const Allocation> inputs,
                                        std::span<const std::int32_t> variables = {}, bool wait = false) = 0;
   std::size_t num_inputs() const noexcept { return num_inputs_; }
+  // A number for this graph, unique in the process (per copy of tinydev): the profile's args.graph.
+  std::uint64_t id() const noexcept { return id_; }
   std::size_t num_variables() const noexcept { return num_variables_; }
   const std::vector<GraphNode>& nodes() const noexcept { return nodes_; }
 
@@ -87,6 +89,7 @@ class Graph {
 
   std::vector<GraphNode> nodes_;
   std::size_t num_inputs_ = 0, num_variables_ = 0;
+  std::uint64_t id_ = 0;
 };
 
 class Compiled;

@@ -118,6 +118,7 @@ class HCQGraph final : public Graph {
   void record(Copy& copy, const std::vector<std::size_t>& offsets) {
     Device& device = device_;
     std::lock_guard lock(device.submit_mutex());
+    ProfileGraphScope graph_scope(id());  // the execs recorded here are this graph's in the trace
     // The node layout (uses, command indices) is the same in both copies: note it once.
     const bool first_copy = &copy == &copies_[0];
     ComputeQueue& compute_q = copy.compute;

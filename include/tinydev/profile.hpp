@@ -34,6 +34,8 @@ struct ProfileEvent {
   // The request the work belongs to: the id of the innermost ProfileRange open on the thread that
   // issued it (0: none). Shown as args.request in the trace.
   std::uint64_t request = 0;
+  // The graph whose replay ran it (Graph::id()), 0 for work outside graphs. args.graph.
+  std::uint64_t graph = 0;
 };
 
 class Profiler {
@@ -68,6 +70,8 @@ class Profiler {
   static std::uint64_t now_ns() noexcept;
   // The id of the innermost ProfileRange open on this thread with one; 0 when none.
   static std::uint64_t current_request() noexcept;
+  // The graph whose queues this thread is recording (ProfileGraphScope); 0 when none.
+  static std::uint64_t current_graph() noexcept;
 
  private:
   friend class ProfileRange;
@@ -89,6 +93,19 @@ class Profiler {
     std::string path, used;
     int fd = -1;
   } claimed_;  // the file this copy writes (Note [Two copies, one profile] in src/profile.cpp)
+};
+
+// Marks the commands this thread records while it lives as a graph's (HCQGraph opens one around
+// recording its queues), so their events carry args.graph. For backends; users need not.
+class ProfileGraphScope {
+ public:
+  explicit ProfileGraphScope(std::uint64_t graph) noexcept;
+  ~ProfileGraphScope();
+  ProfileGraphScope(const ProfileGraphScope&) = delete;
+  ProfileGraphScope& operator=(const ProfileGraphScope&) = delete;
+
+ private:
+  std::uint64_t outer_;
 };
 
 // A user range: a span on this thread's own lane ("USER <n>") of the trace's "host" process, from

@@ -62,7 +62,7 @@ void CpuComputeQueue::_exec(const CpuProgram& program, const Kernargs& kernargs,
   mutable_commands().push_back(CpuCommand{.kind = CommandKind::exec, .program = &program, .kernargs = kernargs.ptr,
                                           .num_buffers = kernargs.num_buffers, .num_values = kernargs.num_values,
                                           .global = global, .local = local,
-                                          .request = Profiler::current_request()});
+                                          .request = Profiler::current_request(), .graph = Profiler::current_graph()});
 }
 
 void CpuComputeQueue::_update_exec(std::size_t cmd, Dim3 global, Dim3 local) {
@@ -229,7 +229,8 @@ std::size_t execute_commands(const std::vector<CpuCommand>& commands, std::size_
           debug_log(2, device, "*** {:<7} {:>6} {:<40} arg {:>3} (queued)", device, launched, c.program->name(),
                     c.num_buffers + c.num_values);
           if (profiling)
-            Profiler::global().add(ProfileEvent{c.program->name(), start, Profiler::now_ns(), device, lane, c.request});
+            Profiler::global().add(ProfileEvent{c.program->name(), start, Profiler::now_ns(), device, lane, c.request,
+                                                c.graph});
           break;
         }
         case CommandKind::copy:

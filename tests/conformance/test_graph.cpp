@@ -247,6 +247,9 @@ TEST_CASE("profile: the trace is JSON with one process per device - COMPUTE and 
     bool device_process = false, compute = false, dma = false;
     double last_ts = 0;
     for (const auto& e : trace.at("traceEvents")) {
+      // The CPU queues run the graph's recorded execs: their events name the graph.
+      if constexpr (std::is_same_v<std::decay_t<decltype(dev)>, cpu::CpuHCQDevice>)
+        if (e.at("ph") == "X" && e.at("name") == "add") CHECK(e.at("args").at("graph") == g->id());
       if (e.at("ph") == "M") {
         const std::string arg = e.at("args").at("name");
         device_process |= e.at("name") == "process_name" && arg == dev.name();

@@ -3,6 +3,8 @@
 // Built with -fvisibility=hidden like a careful plugin; its entry points are its only exports.
 #include <tinydev/tinydev.hpp>
 
+#include "demo_kernels.hpp"  // tools/: the add kernel in each language
+
 #include <cstdio>
 #include <exception>
 #include <random>
@@ -14,33 +16,8 @@
 
 namespace {
 
-constexpr const char* kLlvmAdd = R"(
-define void @add(ptr %out, ptr %a, ptr %b, i32 %n) {
-entry:
-  %empty = icmp sle i32 %n, 0
-  br i1 %empty, label %exit, label %loop
-loop:
-  %i = phi i32 [ 0, %entry ], [ %next, %loop ]
-  %pa = getelementptr float, ptr %a, i32 %i
-  %pb = getelementptr float, ptr %b, i32 %i
-  %po = getelementptr float, ptr %out, i32 %i
-  %x = load float, ptr %pa
-  %y = load float, ptr %pb
-  %s = fadd float %x, %y
-  store float %s, ptr %po
-  %next = add i32 %i, 1
-  %done = icmp eq i32 %next, %n
-  br i1 %done, label %exit, label %loop
-exit:
-  ret void
-})";
-
-constexpr const char* kCAdd =
-    "void add(float* restrict out, const float* restrict a, const float* restrict b, int n) {\n"
-    "  for (int i = 0; i < n; i++) out[i] = a[i] + b[i];\n}\n";
-
 // Adds two random vectors on `device` with `source`; returns the number of wrong results.
-int add_on(const std::string& device, const char* source, std::mt19937& rng) {
+int add_on(const std::string& device, const std::string& source, std::mt19937& rng) {
   using namespace tinydev;
   const int n = 4096 + static_cast<int>(rng() % 4096);
   std::vector<float> a(n), b(n), out(n);
@@ -72,8 +49,8 @@ static int run_kernels(int rounds, char* report, std::size_t capacity) {
   try {
     std::mt19937 rng(std::random_device{}());
     for (const std::string& type : tinydev::Device.backends()) {
-      const char* source = type == "LLVM" ? kLlvmAdd : type == "CLANG" ? kCAdd : nullptr;
-      if (!source) continue;
+      if (type != "LLVM" && type != "CLANG") continue;  // the CPU backends: kernels that run here
+      const std::string source = tinydev::kernels::add_f32(tinydev::Device[type].source_language());
       for (int r = 0; r < rounds; ++r) wrong += add_on(type, source, rng);
       what += " " + type;
     }

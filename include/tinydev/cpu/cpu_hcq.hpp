@@ -48,6 +48,7 @@ struct CpuCommand {
   const std::byte* src = nullptr;
   std::uint64_t size = 0;
   std::uint64_t request = 0;  // exec: Profiler::current_request() where it was recorded
+  std::uint64_t graph = 0;    // exec: Profiler::current_graph() where it was recorded
 };
 
 
