@@ -15,6 +15,8 @@ namespace {
 std::atomic<std::uint64_t> g_next_graph_id{1};
 }  // namespace
 
+Graph::~Graph() = default;
+
 Graph::Graph(std::vector<GraphNode> nodes)
     : nodes_(std::move(nodes)), id_(g_next_graph_id.fetch_add(1, std::memory_order_relaxed)) {
   // Input and variable numbers index replay arguments and size the graph's tables: bound them, so

@@ -65,7 +65,7 @@ using GraphNode = std::variant<GraphKernel, GraphCopy>;
 
 class Graph {
  public:
-  virtual ~Graph() = default;
+  virtual ~Graph();  // out of line: the key function, so consumers' TUs do not instantiate the node vector
   // Runs every node in order with these inputs and variables. InvalidArgument (nothing run) on
   // a wrong count or an input smaller than a copy needs. Returns seconds when `wait`.
   virtual std::optional<double> replay(std::span<const Allocation> inputs,

@@ -79,7 +79,7 @@ class HCQAllocator : public LRUAllocator {
       return;
     }
     ensure_ring();
-    HCQProfileScope<Device, typename Device::copy_queue_type> prof(device_, fmt::format("CPU -> {}", device_.name()), true);
+    HCQProfileScope<Device, typename Device::copy_queue_type> prof(device_, fmt::format(TINYDEV_FMT("CPU -> {}"), device_.name()), true);
     for (std::size_t i = 0; i < src.size(); i += batch_size_) {
       const std::size_t n = std::min(batch_size_, src.size() - i);
       next_ = (next_ + 1) % ring_.size();
@@ -106,7 +106,7 @@ class HCQAllocator : public LRUAllocator {
       return;
     }
     ensure_ring();
-    HCQProfileScope<Device, typename Device::copy_queue_type> prof(device_, fmt::format("{} -> CPU", device_.name()), true);
+    HCQProfileScope<Device, typename Device::copy_queue_type> prof(device_, fmt::format(TINYDEV_FMT("{} -> CPU"), device_.name()), true);
     // Note [Pipelined copyout]: the device fills up to every slot of the ring ahead while the host
     // drains the oldest, so the device's copy of chunk i+1 overlaps the host's copy of chunk i.
     const std::size_t chunks = (dest.size() + batch_size_ - 1) / batch_size_;
@@ -152,7 +152,7 @@ class HCQAllocator : public LRUAllocator {
     const std::uint64_t dest_done = dest_device.last_submitted_value();  // read before taking a value
     const std::uint64_t value = src_device.next_timeline_value();
     {
-      HCQProfileScope<Device, Queue> prof(src_device, fmt::format("{} -> {}", src_device.name(), dest_device.name()),
+      HCQProfileScope<Device, Queue> prof(src_device, fmt::format(TINYDEV_FMT("{} -> {}"), src_device.name(), dest_device.name()),
                                           true, &q);
       q.wait(src_device.timeline_signal(), value - 1);
       if (!same) q.wait(dest_device.timeline_signal(), dest_done);
@@ -177,8 +177,8 @@ class HCQAllocator : public LRUAllocator {
     auto* from = dynamic_cast<Device*>(&src_device);
     auto* to = dynamic_cast<Device*>(&dest_device);
     if (!from || !to)
-      throw InvalidArgument(fmt::format("transfer from {} to {}: both devices must be of {}'s backend; copy through "
-                                        "host memory instead (tinydev::copy does)",
+      throw InvalidArgument(fmt::format(TINYDEV_FMT("transfer from {} to {}: both devices must be of {}'s backend; copy through "
+                                        "host memory instead (tinydev::copy does)"),
                                         src_device.name(), dest_device.name(), describe()));
     transfer(dest, src, size, *from, *to);
   }
@@ -195,7 +195,7 @@ class HCQAllocator : public LRUAllocator {
     detail::check_fits(size, dest, "copy_from_disk", describe());
     device_.check_usable();
     std::lock_guard lock(device_.submit_mutex());
-    const std::string what = fmt::format("DISK -> {}", device_.name());
+    const std::string what = fmt::format(TINYDEV_FMT("DISK -> {}"), device_.name());
     if (host_visible_ && !force_staging_ && device_.idle()) {
       const std::uint64_t start = device_.profiling() ? Profiler::now_ns() : 0;
       reader.read_into(dest.host_ptr<std::byte>(), src, size);
@@ -253,7 +253,7 @@ class HCQAllocator : public LRUAllocator {
       device_.wait_timeline_reached(device_.last_submitted_value(), device_.has_timed_out() ? std::chrono::seconds(1)
                                                                                      : std::chrono::seconds(30));
     } catch (const Timeout& e) {
-      debug_log(1, device_.name(), "leaking {} bytes instead of freeing them under running work: {}", bytes,
+      debug_log(1, device_.name(), TINYDEV_FMT("leaking {} bytes instead of freeing them under running work: {}"), bytes,
                 e.what());
       return false;
     } catch (const Error&) {
@@ -281,7 +281,7 @@ class HCQAllocator : public LRUAllocator {
   void direct_copy(std::byte* dest, const std::byte* src, std::size_t size, std::string_view from, std::string_view to) {
     const std::uint64_t start = device_.profiling() ? Profiler::now_ns() : 0;
     host_copy(dest, src, size);
-    if (start) Profiler::global().add({fmt::format("{} -> {}", from, to), start, Profiler::now_ns(), device_.name(), "DMA"});
+    if (start) Profiler::global().add({fmt::format(TINYDEV_FMT("{} -> {}"), from, to), start, Profiler::now_ns(), device_.name(), "DMA"});
   }
   void ensure_ring() {
     if (!ring_.empty()) return;

@@ -104,7 +104,7 @@ class HCQCompiled : public Compiled {
       try {
         synchronize();
       } catch (const std::exception& e) {
-        debug_log(1, this->name(), "could not finish work for the profile: {}", e.what());
+        debug_log(1, this->name(), TINYDEV_FMT("could not finish work for the profile: {}"), e.what());
       }
     });
   }
@@ -202,11 +202,11 @@ class HCQCompiled : public Compiled {
       if (abandoned_.size() >= 64) abandoned_.erase(abandoned_.begin());
       abandoned_.push_back(value);
       has_abandoned_.store(true, std::memory_order_release);
-      debug_log(1, name(), "timeline value {} was reserved and dropped without its work: completed empty", value);
+      debug_log(1, name(), TINYDEV_FMT("timeline value {} was reserved and dropped without its work: completed empty"), value);
     } catch (const std::exception& e) {
       // Not even an empty queue went in: make the hole loud rather than a hang.
-      timeline_slot_.load()->poison(fmt::format("{}: timeline value {} was reserved and dropped, and completing it "
-                                                "failed: {}", name(), value, e.what()));
+      timeline_slot_.load()->poison(fmt::format(TINYDEV_FMT("{}: timeline value {} was reserved and dropped, and completing it "
+                                                "failed: {}"), name(), value, e.what()));
     }
   }
 
@@ -224,7 +224,7 @@ class HCQCompiled : public Compiled {
       detail::throw_forked_device(name());
   }
   [[noreturn]] void throw_fault() const {
-    throw DeviceFault(fmt::format("{} cannot take more work: {}. {}", name(), fault(), recovery_hint()));
+    throw DeviceFault(fmt::format(TINYDEV_FMT("{} cannot take more work: {}. {}"), name(), fault(), recovery_hint()));
   }
   // What a faulted device's errors tell the caller to do.
   virtual std::string recovery_hint() const { return "Call recover() on it to go on (docs/serving.md)"; }
@@ -232,7 +232,7 @@ class HCQCompiled : public Compiled {
     const SignalSlot* slot = timeline_slot_.load(std::memory_order_acquire);
     if (!slot->poisoned.load(std::memory_order_acquire)) return {};
     const std::string reason = slot->poison_text();
-    return fmt::format("its queue failed: {}", reason.empty() ? "no reason recorded" : reason);
+    return fmt::format(TINYDEV_FMT("its queue failed: {}"), reason.empty() ? "no reason recorded" : reason);
   }
   // Note [Fault recovery]: after a failure the queues fail fast (each later submission's first
   // wait sees the poisoned timeline), so draining takes microseconds unless a kernel still runs.
@@ -245,7 +245,7 @@ class HCQCompiled : public Compiled {
     while (!queues_idle()) {
       if (std::chrono::steady_clock::now() >= deadline) {
         const std::string stall = describe_stall();
-        throw Timeout(fmt::format("{}: recover() waited {} ms for its queues to drain{}{}", name(), timeout.count(),
+        throw Timeout(fmt::format(TINYDEV_FMT("{}: recover() waited {} ms for its queues to drain{}{}"), name(), timeout.count(),
                                   stall.empty() ? "" : ": ", stall));
       }
       std::this_thread::sleep_for(std::chrono::microseconds(100));
@@ -262,7 +262,7 @@ class HCQCompiled : public Compiled {
       abandoned_.clear();
       has_abandoned_.store(false, std::memory_order_release);
     }
-    debug_log(1, name(), "recovered from a fault: {}", was);
+    debug_log(1, name(), TINYDEV_FMT("recovered from a fault: {}"), was);
     return was;
   }
   SignalPool& signal_pool() const noexcept { return *pool_; }
@@ -294,7 +294,7 @@ class HCQCompiled : public Compiled {
   void free_signal(const Signal& signal) {
     std::lock_guard lock(submit_mutex_);
     if (signal.pool() != pool_.get())
-      throw InvalidArgument(fmt::format("{}: cannot free {}: it was allocated elsewhere", name(), signal.describe()));
+      throw InvalidArgument(fmt::format(TINYDEV_FMT("{}: cannot free {}: it was allocated elsewhere"), name(), signal.describe()));
     const std::uint32_t index = pool_->retire(signal);  // the handle is dead now; a second free throws
     pending_frees_.emplace_back(index, signal_users_now());
     reclaim_signals();
@@ -347,7 +347,7 @@ class HCQCompiled : public Compiled {
         if (std::chrono::steady_clock::now() >= deadline) {
           timed_out_.store(true, std::memory_order_relaxed);
           const std::string stall = describe_stall();
-          throw Timeout(fmt::format("{}: waiting for timeline value {} timed out after {} ms: it is at {}{}{}", name(),
+          throw Timeout(fmt::format(TINYDEV_FMT("{}: waiting for timeline value {} timed out after {} ms: it is at {}{}{}"), name(),
                                     value, timeout.count(), slot->value.load(), stall.empty() ? "" : "; ", stall));
         }
       }
@@ -439,8 +439,8 @@ class HCQCompiled : public Compiled {
   void check_abandoned(std::uint64_t value) const {
     std::lock_guard lock(abandoned_mutex_);
     if (std::find(abandoned_.begin(), abandoned_.end(), value) != abandoned_.end())
-      throw Error(fmt::format("{}: timeline value {} was reserved and then dropped before its work was submitted (an "
-                              "exception while recording?): nothing ran for it (Note [Timeline reservations])",
+      throw Error(fmt::format(TINYDEV_FMT("{}: timeline value {} was reserved and then dropped before its work was submitted (an "
+                              "exception while recording?): nothing ran for it (Note [Timeline reservations])"),
                               name(), value));
   }
 

@@ -53,8 +53,8 @@ class HCQGraph final : public Graph {
       const auto* k = std::get_if<GraphKernel>(&nodes_[i]);
       const auto* program = k ? dynamic_cast<const ProgramT*>(k->program.get()) : nullptr;
       if (k && (!program || program->device() != kernels_device(device)))
-        throw InvalidArgument(fmt::format("graph node {}: kernel '{}' was not loaded by {}'s runtime: load it "
-                                          "with Device[\"{}\"].load_kernel",
+        throw InvalidArgument(fmt::format(TINYDEV_FMT("graph node {}: kernel '{}' was not loaded by {}'s runtime: load it "
+                                          "with Device[\"{}\"].load_kernel"),
                                           i, k->program->name(), device.name(), device.name()));
     }
     signal_ = device.alloc_signal(0);
@@ -81,8 +81,8 @@ class HCQGraph final : public Graph {
       } catch (const Timeout& e) {
         finished = false;
         log_message(LogLevel::warning, device_.name(),
-                    fmt::format("a graph destroyed while its replay still runs after {} s; leaking its kernel "
-                                "arguments and programs instead of freeing them under it: {}",
+                    fmt::format(TINYDEV_FMT("a graph destroyed while its replay still runs after {} s; leaking its kernel "
+                                "arguments and programs instead of freeing them under it: {}"),
                                 kDestroyWait.count(), e.what()));
       } catch (...) {
       }

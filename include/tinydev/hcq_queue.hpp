@@ -185,10 +185,10 @@ class HWCommandQueue {
 
   void check(std::size_t cmd, CommandKind want, std::string_view what) const {
     if (cmd >= kinds_.size())
-      throw InvalidArgument(fmt::format("{}: command index {} is out of range: the queue has {} commands",
+      throw InvalidArgument(fmt::format(TINYDEV_FMT("{}: command index {} is out of range: the queue has {} commands"),
                                         what, cmd, kinds_.size()));
     if (kinds_[cmd] != want)
-      throw InvalidArgument(fmt::format("called {} not on a {} command: command {} is a {}", what,
+      throw InvalidArgument(fmt::format(TINYDEV_FMT("called {} not on a {} command: command {} is a {}"), what,
                                         to_string(want), cmd, to_string(kinds_[cmd])));
   }
 
@@ -306,7 +306,7 @@ class HWCopyQueue : public HWCommandQueue<Derived, Command> {
   // InvalidArgument when a copy of `size` bytes runs past either allocation.
   static void check_copy(const Allocation& dest, const Allocation& src, std::size_t size) {
     if (size > dest.size || size > src.size)
-      throw InvalidArgument(fmt::format("copy of {} bytes runs past the end of the {} ({} bytes)", size,
+      throw InvalidArgument(fmt::format(TINYDEV_FMT("copy of {} bytes runs past the end of the {} ({} bytes)"), size,
                                         size > dest.size ? "destination" : "source",
                                         size > dest.size ? dest.size : src.size));
   }
