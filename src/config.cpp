@@ -184,15 +184,19 @@ void read_environment(State& s) {
   warn_unknown(s);
 }
 
-// Logs what read_environment queued, outside the mutex: a log sink may read settings.
-void log_pending_warnings(State& s) {
-  std::vector<std::string> pending;
-  {
-    std::lock_guard lock(s.mutex);
-    pending.swap(s.pending_warnings);
+// Logs what read_environment queued, outside the mutex (a log sink may read settings). Declared
+// before the caller's lock_guard, so it runs after the lock is released.
+struct LogWarningsAfterUnlock {
+  State& s;
+  ~LogWarningsAfterUnlock() {
+    std::vector<std::string> pending;
+    {
+      std::lock_guard lock(s.mutex);
+      pending.swap(s.pending_warnings);
+    }
+    for (const std::string& warning : pending) log_message(LogLevel::warning, "config", warning);
   }
-  for (const std::string& warning : pending) log_message(LogLevel::warning, "config", warning);
-}
+};
 
 // Builds and publishes a snapshot; on a parse error nothing changes. Caller holds the mutex.
 void publish(State& s) {
@@ -233,15 +237,11 @@ Settings detail::parse_settings(const std::map<std::string, std::string, std::le
 const Settings& settings() {
   State& s = state();
   if (const Settings* cur = s.current.load(std::memory_order_acquire)) return *cur;
-  const Settings* published = nullptr;
-  {
-    std::lock_guard lock(s.mutex);
-    if (!s.loaded) read_environment(s);
-    if (!s.current.load(std::memory_order_relaxed)) publish(s);
-    published = s.current.load(std::memory_order_relaxed);
-  }
-  log_pending_warnings(s);
-  return *published;
+  LogWarningsAfterUnlock log_after{s};
+  std::lock_guard lock(s.mutex);
+  if (!s.loaded) read_environment(s);
+  if (!s.current.load(std::memory_order_relaxed)) publish(s);
+  return *s.current.load(std::memory_order_relaxed);
 }
 
 std::vector<std::string_view> known_variables() {
@@ -250,28 +250,23 @@ std::vector<std::string_view> known_variables() {
 
 void reload_environment() {
   State& s = state();
-  {
-    std::lock_guard lock(s.mutex);
-    RawValues previous = s.environment;
-    read_environment(s);
-    try {
-      publish(s);
-    } catch (...) {
-      s.environment = std::move(previous);
-      throw;
-    }
+  LogWarningsAfterUnlock log_after{s};
+  std::lock_guard lock(s.mutex);
+  RawValues previous = s.environment;
+  read_environment(s);
+  try {
+    publish(s);
+  } catch (...) {
+    s.environment = std::move(previous);
+    throw;
   }
-  log_pending_warnings(s);
 }
 
 ScopedOverride::ScopedOverride(std::string_view variable, std::optional<std::string> value)
     : variable_(variable), had_previous_(false) {
   check_known(variable);
   State& s = state();
-  struct LogWarningsAfterUnlock {  // destroyed after `lock` below
-    State& s;
-    ~LogWarningsAfterUnlock() { log_pending_warnings(s); }
-  } log_after{s};
+  LogWarningsAfterUnlock log_after{s};
   std::lock_guard lock(s.mutex);
   if (!s.loaded) read_environment(s);
   auto it = s.overrides.find(variable_);

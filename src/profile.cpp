@@ -58,13 +58,9 @@ std::uint64_t thread_number() {
 // locks belong to open files, so two copies in one process conflict like two processes do) and
 // writes through that descriptor, in place. A writer that finds the file claimed takes the next
 // free "<stem>.2<ext>", "<stem>.3<ext>", ... and logs where its events went.
-struct ClaimedFile {
-  std::string path;  // what was asked
-  std::string used;  // where this copy writes
-  int fd = -1;
-};
+}  // namespace
 
-ClaimedFile claim(const std::string& path) {
+Profiler::Claim Profiler::claim(const std::string& path) {
   const std::filesystem::path asked(path);
   for (int n = 1; n <= 64; ++n) {
     std::string candidate = path;
@@ -90,6 +86,8 @@ ClaimedFile claim(const std::string& path) {
   throw Error(fmt::format("cannot write the profile to '{}': it and 63 numbered siblings are held by other writers",
                           path));
 }
+
+namespace {
 
 void write_all(int fd, const std::string& text, const std::string& path) {
   if (::ftruncate(fd, 0) != 0)
@@ -214,7 +212,8 @@ std::size_t Profiler::write_impl(std::string path, bool skip_if_unchanged, bool 
   std::vector<std::function<void(bool)>> hooks;
   {
     std::lock_guard lock(mutex_);
-    if (path.empty()) path = mode_.load() == Mode::on ? path_override_ : mode_.load() == Mode::off ? "" : settings().profile;
+    // enable() leaves path_override_ empty when it turned profiling off.
+    if (path.empty()) path = mode_.load() == Mode::environment ? settings().profile : path_override_;
     if (path.empty()) return 0;  // profiling is off: nothing to flush or write
     for (const auto& [token, hook] : hooks_) hooks.push_back(hook);
   }
@@ -265,9 +264,9 @@ std::size_t Profiler::write_impl(std::string path, bool skip_if_unchanged, bool 
   last_write_path_ = path;
   last_write_events_ = events_.size();
   if (claimed_.fd < 0 || claimed_.path != path) {  // Note [Two copies, one profile]
-    ClaimedFile file = claim(path);
+    Claim file = claim(path);
     if (claimed_.fd >= 0) ::close(claimed_.fd);
-    claimed_ = {file.path, file.used, file.fd};
+    claimed_ = std::move(file);
   }
   write_all(claimed_.fd, out, claimed_.used);
   if (dropped_ > 0)
@@ -287,8 +286,9 @@ ProfileRange::~ProfileRange() {
   tls_request = outer_request_;
   if (!enabled_) return;
   try {
+    // A range without an id of its own gets the outer one from add(): tls_request is that again.
     Profiler::global().add(ProfileEvent{std::move(name_), start_ns_, Profiler::now_ns(), "host",
-                                        fmt::format("USER {}", thread_number()), request_ ? request_ : outer_request_});
+                                        fmt::format("USER {}", thread_number()), request_});
   } catch (...) {
     // A range that cannot be recorded (out of memory) is not worth an exception in a destructor.
   }

@@ -531,10 +531,6 @@ int CudaHCQDevice::begin_span(std::optional<ProfileRecord>& span, std::string_vi
   if (name.empty() || !profiling()) [[likely]]
     return CUDA_SUCCESS;
   span = ProfileRecord{alloc_signal(), alloc_signal(), std::string(name), false, Profiler::current_request()};
-  // Pooled signals may hold an old timestamp: 0 marks "not stored yet" for a profile written while
-  // work runs (process_profile_records).
-  span->start.slot().timestamp_ns.store(0, std::memory_order_relaxed);
-  span->end.slot().timestamp_ns.store(0, std::memory_order_relaxed);
   const int r = launch_timestamp(&span->start.slot(), stream);
   if (r != CUDA_SUCCESS) drop_span(span);
   return r;

@@ -391,7 +391,8 @@ class HCQCompiled : public Compiled {
     profile_records_.push_back(std::move(record));
   }
   // Turns records into events: all of them (after a synchronize), or with `finished_only` those
-  // whose end timestamp the queue has stored already (a profile written while work runs).
+  // whose timestamps the queue has stored already (a profile written while work runs; a signal
+  // comes from SignalPool::alloc with its timestamp 0).
   void process_profile_records(bool finished_only = false) {
     std::lock_guard lock(submit_mutex_);
     std::size_t kept = 0;
@@ -492,9 +493,6 @@ class HCQProfileScope {
     if (!enabled_) return;
     start_ = device.alloc_signal();
     end_ = device.alloc_signal();
-    // Pooled signals may hold an old timestamp: 0 marks "not stored yet" (process_profile_records).
-    start_.slot().timestamp_ns.store(0, std::memory_order_relaxed);
-    end_.slot().timestamp_ns.store(0, std::memory_order_relaxed);
     if (queue_) queue_->timestamp(start_);
     else submit_timestamp(start_);
   }

@@ -89,10 +89,13 @@ class Profiler {
   std::uint64_t next_token_ = 1;
   std::string last_write_path_;
   std::size_t last_write_events_ = SIZE_MAX;
+  // The file this copy writes (Note [Two copies, one profile] in src/profile.cpp).
   struct Claim {
-    std::string path, used;
-    int fd = -1;
-  } claimed_;  // the file this copy writes (Note [Two copies, one profile] in src/profile.cpp)
+    std::string path;  // what was asked
+    std::string used;  // where this copy writes: `path` or a numbered sibling
+    int fd = -1;       // holds the flock; kept open
+  } claimed_;
+  static Claim claim(const std::string& path);
 };
 
 // Marks the commands this thread records while it lives as a graph's (HCQGraph opens one around

@@ -142,3 +142,28 @@ TEST_CASE("profile: a file another writer holds is left alone and this writer ta
   for (const auto& e : trace.at("traceEvents")) mine |= e.at("name") == "mine";
   CHECK(mine);
 }
+
+TEST_CASE("profile: when the file and every numbered sibling are held write() is an Error and nothing is overwritten", "[profile]") {
+  TempDir dir;
+  std::vector<int> held;
+  for (int n = 1; n <= 64; ++n) {
+    const std::string path = dir.str() + (n == 1 ? "/busy.json" : "/busy." + std::to_string(n) + ".json");
+    const int fd = ::open(path.c_str(), O_RDWR | O_CREAT, 0644);
+    REQUIRE(fd >= 0);
+    REQUIRE(::flock(fd, LOCK_EX | LOCK_NB) == 0);
+    REQUIRE(::write(fd, "theirs", 6) == 6);
+    held.push_back(fd);
+  }
+  Profiler& p = Profiler::global();
+  p.enable(dir.str() + "/busy.json");
+  p.clear();
+  const std::uint64_t now = Profiler::now_ns();
+  p.add(ProfileEvent{"mine", now, now + 5, "DEV", "COMPUTE"});
+  CHECK_THROWS_WITH(p.write(), Catch::Contains("cannot write the profile") &&
+                                   Catch::Contains("63 numbered siblings are held by other writers"));
+  p.use_environment();
+  for (int fd : held) ::close(fd);
+  std::ifstream first(dir.str() + "/busy.json");
+  std::string content((std::istreambuf_iterator<char>(first)), std::istreambuf_iterator<char>());
+  CHECK(content == "theirs");
+}
