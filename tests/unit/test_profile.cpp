@@ -69,6 +69,9 @@ TEST_CASE("profile: the event buffer is bounded and the trace says how many even
   p.clear();
   CHECK(p.dropped() == 0);
   p.use_environment();
+  for (const char* bad : {"0", "-1", "1e3", "99999999999999999999", "12abc", " 5"})
+    CHECK_THROWS_WITH(ScopedOverride("TINYDEV_PROFILE_MAX_EVENTS", bad),
+                      Catch::Contains("TINYDEV_PROFILE_MAX_EVENTS=") && Catch::Contains("is not valid"));
 }
 
 TEST_CASE("profile: ProfileRange puts user ranges on a lane per thread and tags work issued inside with the request", "[profile]") {
