@@ -45,6 +45,10 @@ std::string resolve(void* handle, Driver& d, std::string_view library) {
                        library, TINYDEV_CUDA_SYMBOL(name));
   TINYDEV_CUDA_DRIVER_FUNCTIONS(TINYDEV_CUDA_RESOLVE)
 #undef TINYDEV_CUDA_RESOLVE
+#define TINYDEV_CUDA_RESOLVE_OPTIONAL(name) \
+  d.name = reinterpret_cast<decltype(d.name)>(::dlsym(handle, TINYDEV_CUDA_SYMBOL(name)));
+  TINYDEV_CUDA_OPTIONAL_DRIVER_FUNCTIONS(TINYDEV_CUDA_RESOLVE_OPTIONAL)
+#undef TINYDEV_CUDA_RESOLVE_OPTIONAL
   return "";
 }
 

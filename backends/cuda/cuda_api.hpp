@@ -78,6 +78,11 @@ namespace tinydev::cuda {
   X(cuEventSynchronize)                  \
   X(cuEventElapsedTime)
 
+// Driver functions the backend uses where the driver has them (newer than the oldest driver the
+// required table needs); a missing one is nullptr and the feature it serves is off:
+// cuFuncGetParamInfo (drivers of CUDA 12.4 and later) gives kernels their signatures.
+#define TINYDEV_CUDA_OPTIONAL_DRIVER_FUNCTIONS(X) X(cuFuncGetParamInfo)
+
 #define TINYDEV_NVRTC_FUNCTIONS(X) \
   X(nvrtcVersion)                  \
   X(nvrtcGetErrorString)           \
@@ -94,6 +99,7 @@ namespace tinydev::cuda {
 struct Driver {
 #define TINYDEV_CUDA_MEMBER(name) decltype(&::name) name = nullptr;
   TINYDEV_CUDA_DRIVER_FUNCTIONS(TINYDEV_CUDA_MEMBER)
+  TINYDEV_CUDA_OPTIONAL_DRIVER_FUNCTIONS(TINYDEV_CUDA_MEMBER)  // nullptr where the driver lacks it
   std::string path;  // the library the functions came from
   int version = 0;   // cuDriverGetVersion: 13000 for CUDA 13.0
 };

@@ -147,9 +147,17 @@ void check_sizes(const std::string& kernel, const std::string& device, Dim3 g, D
 
 // ---- programs ---------------------------------------------------------------------------------
 
-CudaProgram::CudaProgram(std::string name, CudaHCQDevice& device, void* module, void* function)
-    : Program(std::move(name)), device_(device), module_(module), function_(function),
+CudaProgram::CudaProgram(std::string name, CudaHCQDevice& device, void* module, void* function,
+                         std::optional<KernelSignature> signature)
+    : Program(std::move(name)), device_(device), module_(module), function_(function), signature_(signature),
       launch_what_(fmt::format("launching '{}'", this->name())) {}
+
+void CudaProgram::throw_wrong_counts(std::size_t buffers, std::size_t values) const {
+  throw InvalidArgument(fmt::format("{} on {}: the kernel takes {} buffers and {} values, got {} and {} (a GPU kernel "
+                                    "reads a wrong word as an address: Note [CUDA kernel signatures])",
+                                    name(), device_.name(), signature_->num_buffers, signature_->num_values, buffers,
+                                    values));
+}
 
 CudaProgram::~CudaProgram() {
   const DeviceState& s = device_.state();
@@ -164,6 +172,7 @@ const std::string& CudaProgram::device() const noexcept { return device_.name();
 std::optional<double> CudaProgram::operator()(std::span<const Allocation> buffers, std::span<const std::int32_t> values,
                                               const LaunchParams& params) {
   check_sizes(name(), device_.name(), params.global, params.local);
+  check_counts(buffers.size(), values.size());
   const std::size_t size = Kernargs::bytes_for(buffers.size(), values.size());
   if (size > kMaxArgumentBytes)
     throw InvalidArgument(fmt::format("{} on {}: {} bytes of arguments is more than a CUDA launch takes ({})", name(),
@@ -211,10 +220,56 @@ class CudaRuntime final : public Runtime {
                                         "and that it is declared extern \"C\"",
                                         s.name, quote_for_message(kernel_name), describe(r)));
     }
-    return std::make_shared<CudaProgram>(name, device_, module, function);
+    std::optional<KernelSignature> signature;
+    try {
+      signature = signature_of(function, name);
+    } catch (...) {
+      s.api.cuModuleUnload(module);
+      throw;
+    }
+    return std::make_shared<CudaProgram>(name, device_, module, function, signature);
   }
 
  private:
+  // The kernel's signature from the driver (Note [CUDA kernel signatures]): nullopt where the
+  // driver cannot tell; InvalidArgument for a parameter list no launch of tinydev can pass.
+  std::optional<KernelSignature> signature_of(CUfunction function, const std::string& name) const {
+    const DeviceState& s = device_.state();
+    if (!s.api.cuFuncGetParamInfo) return std::nullopt;
+    struct Parameter {
+      std::size_t offset = 0, size = 0;
+    };
+    std::vector<Parameter> parameters;
+    // No driver call gives the count: ask index by index until the driver says there is none.
+    for (std::size_t i = 0; i <= kMaxArgumentBytes; ++i) {
+      Parameter p;
+      const CUresult r = s.api.cuFuncGetParamInfo(function, i, &p.offset, &p.size);
+      if (r == CUDA_ERROR_INVALID_VALUE) break;  // past the last parameter
+      if (r != CUDA_SUCCESS) {
+        debug_log(1, "CUDA", "{}: cuFuncGetParamInfo of '{}' failed ({}): its launches are not checked", s.name,
+                  quote_for_message(name), describe(r));
+        return std::nullopt;
+      }
+      parameters.push_back(p);
+    }
+    KernelSignature signature{.grid_index = false};
+    for (const Parameter& p : parameters) {
+      const std::size_t packed_at = std::size_t{signature.num_buffers} * 8 + std::size_t{signature.num_values} * 4;
+      if (p.size == 8 && signature.num_values == 0 && p.offset == packed_at) ++signature.num_buffers;
+      else if (p.size == 4 && p.offset == packed_at) ++signature.num_values;
+      else {
+        std::string layout;
+        for (const Parameter& q : parameters)
+          layout += fmt::format("{}{} bytes at {}", layout.empty() ? "" : ", ", q.size, q.offset);
+        throw InvalidArgument(fmt::format("{}: kernel '{}' has parameters tinydev cannot pass ({}): a kernel takes its "
+                                          "buffers first (8-byte pointers), then 32-bit values (int or float); "
+                                          "docs/cuda.md, Note [CUDA kernel signatures]",
+                                          s.name, quote_for_message(name), layout));
+      }
+    }
+    return signature;
+  }
+
   CudaHCQDevice& device_;
 };
 
@@ -222,6 +277,7 @@ class CudaRuntime final : public Runtime {
 
 void CudaComputeQueue::_exec(const CudaProgram& program, const Kernargs& kernargs, Dim3 global, Dim3 local) {
   check_sizes(program.name(), program.device(), global, local);
+  program.check_counts(kernargs.num_buffers, kernargs.num_values);
   if (!kernargs.ptr && kernargs.size() != 0)
     throw InvalidArgument(fmt::format("exec of '{}': the kernargs have no memory; allocate them with the "
                                       "device's alloc_kernargs()",
@@ -684,6 +740,7 @@ DeviceCapabilities CudaHCQDevice::capabilities() const {
                             .rejects_invalid_source = true,
                             .caches_compiles = true,
                             .runs_kernels = true,
+                            .checks_signatures = state_->api.cuFuncGetParamInfo != nullptr,
                             .native_graphs = true,
                             .hcq = true};
 }
@@ -714,6 +771,9 @@ std::map<std::string, std::string> CudaHCQDevice::properties() const {
   props["driver"] = fmt::format("{}.{} ({})", s.api.version / 1000, s.api.version % 1000 / 10, s.api.path);
   props["queues"] = fmt::format("HCQ: compute + copy streams, signals by {}",
                                 s.memops ? "stream memory operations" : "host functions");
+  props["kernel signatures"] = s.api.cuFuncGetParamInfo
+                                   ? "checked at launch (cuFuncGetParamInfo)"
+                                   : "not checked: the driver has no cuFuncGetParamInfo (CUDA 12.4 and later)";
   return props;
 }
 

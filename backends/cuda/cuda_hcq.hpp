@@ -47,9 +47,23 @@ struct DeviceState;  // cuda_device.cpp: the context, streams and driver table o
 class CudaHCQDevice;
 
 // A kernel loaded into one GPU's context.
+//
+// Note [CUDA kernel signatures]
+// A launch passes its arguments as one packed buffer (8-byte addresses, then 4-byte values), and
+// the GPU reads its parameters from that buffer at the offsets the kernel was compiled with: a
+// buffer missing or a value too many is not caught by the driver, the kernel reads a wrong word
+// as an address, and the illegal address that follows poisons the whole context (Note [CUDA
+// failures]). So at load the driver is asked for each parameter's offset and size
+// (cuFuncGetParamInfo, drivers of CUDA 12.4 and later): a parameter list of that layout becomes
+// the program's signature (grid_index false: a GPU kernel reads its index from the hardware), and
+// direct calls, queued execs and graph nodes with other counts are InvalidArgument before
+// anything reaches the driver; a list of another layout (a value before a pointer, a 1-, 2- or
+// 8-byte value, a struct) cannot be passed at all and load() refuses it. An older driver tells
+// nothing: signature() is nullopt and the caller is trusted, as on the CPU with a bare object.
 class CudaProgram final : public Program {
  public:
-  CudaProgram(std::string name, CudaHCQDevice& device, void* module, void* function);
+  CudaProgram(std::string name, CudaHCQDevice& device, void* module, void* function,
+              std::optional<KernelSignature> signature);
   ~CudaProgram() override;
 
   // Launches on the compute stream, ordered after the work submitted to the device before it
@@ -57,14 +71,24 @@ class CudaProgram final : public Program {
   std::optional<double> operator()(std::span<const Allocation> buffers, std::span<const std::int32_t> values = {},
                                    const LaunchParams& params = {}) override;
 
+  // The parameter counts the driver reported at load (Note [CUDA kernel signatures]).
+  std::optional<KernelSignature> signature() const noexcept override { return signature_; }
+  // Throws InvalidArgument when `buffers` and `values` are not the kernel's counts (where known).
+  void check_counts(std::size_t buffers, std::size_t values) const {
+    if (signature_ && (buffers != signature_->num_buffers || values != signature_->num_values)) [[unlikely]]
+      throw_wrong_counts(buffers, values);
+  }
+
   const std::string& device() const noexcept;
   void* function() const noexcept { return function_; }  // the CUfunction
   const std::string& launch_what() const noexcept { return launch_what_; }  // "launching 'name'", for errors
 
  private:
+  [[noreturn]] void throw_wrong_counts(std::size_t buffers, std::size_t values) const;
   CudaHCQDevice& device_;
   void* module_;    // CUmodule
   void* function_;  // CUfunction
+  std::optional<KernelSignature> signature_;
   std::string launch_what_;
 };
 

@@ -117,15 +117,18 @@ struct LaunchParams {
   bool wait = false;  // block until the kernel finished and return its time in seconds
 };
 
-// How many buffers and int32 values a kernel's parameter list has, where the compiler could tell.
-// A kernel meant for grid launches counts its index parameter among the values (it is the last).
+// How many buffers and int32 values a kernel's parameter list has, where the compiler (or the
+// driver) could tell. A CPU kernel meant for grid launches counts its index parameter among the
+// values (it is the last); a GPU kernel reads its index from the hardware (grid_index false).
 struct KernelSignature {
   std::uint32_t num_buffers = 0;
   std::uint32_t num_values = 0;
+  bool grid_index = true;  // a grid launch passes the instance index as one more value
   friend bool operator==(const KernelSignature&, const KernelSignature&) = default;
-  // Whether a launch with these counts fits; `grid` launches pass the index as one more value.
+  // Whether a launch with these counts fits; `grid` launches pass the index as one more value
+  // where the kernel takes it.
   bool accepts(std::size_t buffers, std::size_t values, bool grid) const noexcept {
-    return buffers == num_buffers && values + (grid ? 1 : 0) == num_values;
+    return buffers == num_buffers && values + (grid && grid_index ? 1 : 0) == num_values;
   }
   // Whether the counts fit with or without a grid (before the grid is known).
   bool accepts_either(std::size_t buffers, std::size_t values) const noexcept {

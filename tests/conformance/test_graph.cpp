@@ -190,7 +190,7 @@ TEST_CASE("graph: a waited replay on an idle CPU device runs on the calling thre
 }
 
 TEST_CASE("graph: bad graphs and replays are errors", "[graph]") {
-  for_each_backend(Needs{.kernels = true, .checks_signatures = true}, [](Compiled& dev) {
+  for_each_backend(Needs{.kernels = true, .cuda_too = true, .checks_signatures = true}, [](Compiled& dev) {
     auto add = dev.load_kernel("add", kernels::add_f32(dev.source_language()));
     CHECK_THROWS_WITH(dev.create_graph({GraphKernel{add, {in(0), in(1)}, {GraphValue::of(1)}}}),
                       Catch::Contains("takes 3 buffers and 1 values, the node gives 2 and 1"));

@@ -248,6 +248,12 @@ TEST_CASE("cuda gpu: bad blobs and missing kernels and zero grids are clear erro
   const Allocation bufs[] = {o.allocation(), o.allocation(), o.allocation()};
   const std::int32_t vals[] = {4};
   CHECK_THROWS_WITH((*add)(bufs, vals, LaunchParams{.global = {0, 1, 1}}), Catch::Contains("zero"));
+  if (dev->capabilities().checks_signatures) {  // the driver reports parameter layouts (CUDA 12.4 and later)
+    CHECK(add->signature() == KernelSignature{3, 1, /*grid_index=*/false});
+    CHECK_THROWS_WITH((*add)(std::span(bufs, 2), vals), Catch::Contains("takes 3 buffers and 1 values, got 2 and 1"));
+  } else {
+    WARN("the driver has no cuFuncGetParamInfo: kernel signatures are not checked");
+  }
   CHECK_NOTHROW((*add)(bufs, vals, LaunchParams{.wait = true}));
 }
 
@@ -447,6 +453,63 @@ void check_transfer(cuda::CudaHCQDevice& a, cuda::CudaHCQDevice& b) {
 
 }  // namespace
 
+TEST_CASE("cuda fake: launches with the wrong counts are InvalidArgument before the driver sees them - direct, queued and graph nodes", "[cuda][fake]") {
+  auto* dev = fake_hcq();
+  if (!dev) return;
+  REQUIRE(dev->capabilities().checks_signatures);
+  CHECK_THAT(dev->properties().at("kernel signatures"), Catch::Contains("checked at launch"));
+  auto add = std::dynamic_pointer_cast<cuda::CudaProgram>(dev->load_kernel("add", kernels::add_f32(SourceLanguage::CUDA)));
+  REQUIRE(add);
+  // From the driver's parameter layout; a GPU kernel takes no grid index.
+  REQUIRE(add->signature() == KernelSignature{3, 1, /*grid_index=*/false});
+  const std::size_t n = 777;
+  const auto x = random_floats(n, fresh_seed()), y = random_floats(n, fresh_seed());
+  Buffer a(dev->name(), n, dtypes::float32), b(dev->name(), n, dtypes::float32), o(dev->name(), n, dtypes::float32);
+  a.allocate().copyin(std::span<const float>(x));
+  b.allocate().copyin(std::span<const float>(y));
+  o.allocate();
+  const Allocation bufs[] = {o.allocation(), a.allocation(), b.allocation()};
+  const std::int32_t vals[] = {static_cast<std::int32_t>(n), 5};
+  const long launches = fake_calls("cuLaunchKernel");
+  // Direct calls.
+  CHECK_THROWS_WITH((*add)(std::span(bufs, 2), std::span(vals, 1)),
+                    Catch::Contains("add on CUDA: the kernel takes 3 buffers and 1 values, got 2 and 1"));
+  CHECK_THROWS_AS((*add)(bufs, {}), InvalidArgument);
+  CHECK_THROWS_WITH((*add)(bufs, vals, LaunchParams{.global = {4, 1, 1}}), Catch::Contains("got 3 and 2"));
+  // Queued execs: neither fill_kernargs nor exec takes them, and nothing is queued.
+  CHECK_THROWS_WITH(fill_kernargs(*add, dev->alloc_kernargs(3, 2), bufs, vals), Catch::Contains("takes 3 buffers"));
+  auto q = dev->compute_queue();
+  CHECK_THROWS_WITH(q.exec(*add, dev->alloc_kernargs(3, 0), {1, 1, 1}, {1, 1, 1}), Catch::Contains("got 3 and 0"));
+  CHECK(q.size() == 0);
+  // Graph nodes, checked when the graph is made.
+  CHECK_THROWS_WITH(dev->create_graph({GraphKernel{add, {GraphBuffer::in(0), GraphBuffer::in(1)}, {GraphValue::of(1)}}}),
+                    Catch::Contains("takes 3 buffers and 1 values, the node gives 2 and 1"));
+  CHECK(fake_calls("cuLaunchKernel") == launches);  // nothing reached the driver
+  // The right counts run, on a grid too (no index appended), queued and in a graph as well.
+  (*add)(bufs, std::span(vals, 1), LaunchParams{.global = {4, 1, 1}, .local = {256, 1, 1}});
+  Kernargs args = dev->alloc_kernargs(3, 1);
+  fill_kernargs(*add, args, bufs, std::span(vals, 1));
+  q.exec(*add, args, {4, 1, 1}, {256, 1, 1}).submit(*dev);
+  auto graph = dev->create_graph({GraphKernel{add, {GraphBuffer::in(0), GraphBuffer::in(1), GraphBuffer::in(2)},
+                                              {GraphValue::var(0)}, LaunchParams{.global = {4, 1, 1}}}});
+  graph->replay(bufs, std::span(vals, 1));
+  std::vector<float> out(n);
+  o.copyout(std::span<float>(out));
+  for (std::size_t i = 0; i < n; ++i) REQUIRE(out[i] == x[i] + y[i]);
+  // A parameter list the packed arguments cannot express is refused at load.
+  const std::string odd = "extern \"C\" __global__ void odd(int n, float* p) { if (n > 0) p[0] = 1.0f; }\n";
+  CHECK_THROWS_WITH(dev->load_kernel("odd", odd),
+                    Catch::Contains("kernel 'odd' has parameters tinydev cannot pass (4 bytes at 0, 8 bytes at 8)") &&
+                        Catch::Contains("buffers first"));
+  // A driver that cannot tell leaves the counts to the caller.
+  {
+    FakeEnv fail("FAKE_CUDA_FAIL", "cuFuncGetParamInfo=801");
+    auto unchecked = dev->runtime().load("add", dev->compiler().compile_cached(kernels::add_f32(SourceLanguage::CUDA)));
+    CHECK_FALSE(unchecked->signature().has_value());
+    (*unchecked)(bufs, std::span(vals, 1), LaunchParams{.wait = true});
+  }
+}
+
 TEST_CASE("cuda fake: a kernel's illegal address is sticky - the device says so on every later call", "[cuda][fake]") {
   FakeEnv fail("FAKE_CUDA_FAIL", "run:add=700");  // the kernel faults when it runs, as on a GPU
   auto* dev = fake_hcq();
@@ -626,6 +689,11 @@ TEST_CASE("cuda gpu: renderer-style kernels match the CPU (elementwise to half -
   const std::uint64_t seed = fresh_seed();
   INFO("seed " << seed);
   const auto load = [&](const char* name) { return dev->load_kernel(name, kRendererStyle); };
+  if (dev->capabilities().checks_signatures) {  // the driver's parameter layouts of real CUBIN
+    CHECK(load("E_4096_4")->signature() == KernelSignature{2, 0, false});
+    CHECK(load("r_64_32")->signature() == KernelSignature{2, 0, false});
+    CHECK(load("r_16_16_16")->signature() == KernelSignature{3, 1, false});
+  }
   // E_4096_4: data0[i] = half(data1[i] * 2), 16 blocks of 256 threads.
   {
     auto x = random_floats(4096, seed);

@@ -6,7 +6,8 @@
 //    memory it did not hand out, or past an allocation's end, are errors, as a driver's are);
 //  - modules are the real CUBIN/PTX NVRTC produced; a kernel is found by name in the image and run
 //    by a host implementation registered here (the test suite's kernels: add, ping, pong, scale,
-//    fill, and the backend's own tinydev_timestamp);
+//    fill, odd, and the backend's own tinydev_timestamp), whose parameter layout
+//    cuFuncGetParamInfo reports;
 //  - each stream is a thread running its work in order, as a GPU's stream runs asynchronously to
 //    the host: kernels, copies, stream memory operations (a wait polls the word, a write stores it
 //    and wakes nobody, as a GPU's does), host functions and events; cuStreamSynchronize,
@@ -67,7 +68,13 @@ using HostKernel = void (*)(const std::byte* params, std::size_t size, Dim grid,
 
 struct KernelInfo {
   HostKernel run;
-  int pointers;  // leading 8-byte pointer parameters, checked before the kernel runs
+  std::vector<std::size_t> params;  // the parameters' sizes, each at its natural alignment (cuFuncGetParamInfo)
+  // The leading 8-byte (pointer) parameters, checked before the kernel runs.
+  int pointers() const {
+    int n = 0;
+    while (n < static_cast<int>(params.size()) && params[static_cast<std::size_t>(n)] == 8) ++n;
+    return n;
+  }
 };
 
 struct FakeFunction {
@@ -304,6 +311,8 @@ void fill_kernel(const std::byte* p, std::size_t, Dim grid, Dim block) {
   const std::size_t threads = grid.count() * block.count();
   for (std::size_t t = 0; t < threads; ++t) o[t] = k + static_cast<std::int32_t>(t);
 }
+// odd(int n, float* p): a value before a pointer, which tinydev's packed arguments cannot pass.
+void nothing_kernel(const std::byte*, std::size_t, Dim, Dim) {}
 // The backend's timestamp kernel: *(u64*)p = %globaltimer (here the host's steady clock, in ns).
 void timestamp_kernel(const std::byte* p, std::size_t, Dim, Dim) {
   const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
@@ -313,8 +322,10 @@ void timestamp_kernel(const std::byte* p, std::size_t, Dim, Dim) {
 
 const std::map<std::string, KernelInfo, std::less<>>& kernels() {
   static const auto* k = new std::map<std::string, KernelInfo, std::less<>>{
-      {"add", {&add_kernel, 3}},     {"ping", {&inc_kernel, 2}},  {"pong", {&inc_kernel, 2}},
-      {"scale", {&scale_kernel, 2}}, {"fill", {&fill_kernel, 1}}, {"tinydev_timestamp", {&timestamp_kernel, 1}}};
+      {"add", {&add_kernel, {8, 8, 8, 4}}},     {"ping", {&inc_kernel, {8, 8}}},
+      {"pong", {&inc_kernel, {8, 8}}},          {"scale", {&scale_kernel, {8, 8, 4, 4}}},
+      {"fill", {&fill_kernel, {8, 4}}},         {"odd", {&nothing_kernel, {4, 8}}},
+      {"tinydev_timestamp", {&timestamp_kernel, {8}}}};
   return *k;
 }
 
@@ -357,7 +368,7 @@ CUresult run_kernel(const FakeFunction& f, const FakeDevice& device, const std::
   if (CUresult r = injected("run:" + f.name); r != CUDA_SUCCESS) return r;
   {
     std::lock_guard lock(g_mutex);
-    for (int i = 0; i < f.kernel.pointers; ++i)
+    for (int i = 0; i < f.kernel.pointers(); ++i)
       if (!reachable(device, param<std::uint64_t>(args.data(), 8 * static_cast<std::size_t>(i)), 1))
         return CUDA_ERROR_ILLEGAL_ADDRESS;
   }
@@ -647,6 +658,24 @@ CUresult CUDAAPI cuModuleGetFunction(CUfunction* function, CUmodule module, cons
   return CUDA_SUCCESS;
 }
 
+// The offset and size of parameter `index` (CUDA 12.4's call; no call gives the count).
+CUresult CUDAAPI cuFuncGetParamInfo(CUfunction function, size_t index, size_t* offset, size_t* size) {
+  FAKE_INJECT(cuFuncGetParamInfo);
+  const auto* f = reinterpret_cast<const FakeFunction*>(function);
+  if (!f || !offset || index >= f->kernel.params.size()) return CUDA_ERROR_INVALID_VALUE;
+  std::size_t at = 0;
+  for (std::size_t i = 0; i <= index; ++i) {
+    const std::size_t bytes = f->kernel.params[i];
+    at = (at + bytes - 1) / bytes * bytes;
+    if (i == index) {
+      *offset = at;
+      if (size) *size = bytes;
+    }
+    at += bytes;
+  }
+  return CUDA_SUCCESS;
+}
+
 CUresult CUDAAPI cuLaunchKernel(CUfunction function, unsigned int gx, unsigned int gy, unsigned int gz,
                                 unsigned int bx, unsigned int by, unsigned int bz, unsigned int, CUstream stream,
                                 void**, void** extra) {
@@ -659,7 +688,7 @@ CUresult CUDAAPI cuLaunchKernel(CUfunction function, unsigned int gx, unsigned i
   std::size_t size;
   if (!launch_arguments(extra, params, size)) return CUDA_ERROR_INVALID_VALUE;
   const auto* f = reinterpret_cast<const FakeFunction*>(function);
-  if (size < static_cast<std::size_t>(f->kernel.pointers) * 8) return CUDA_ERROR_INVALID_VALUE;
+  if (size < static_cast<std::size_t>(f->kernel.pointers()) * 8) return CUDA_ERROR_INVALID_VALUE;
   // The driver copies the arguments at launch: the caller may reuse its buffer at once.
   std::vector<std::byte> args(params, params + size);
   FakeDevice* device = t_current;
@@ -829,7 +858,7 @@ CUresult kernel_node(const CUDA_KERNEL_NODE_PARAMS* p, FakeNode& node) {
   const bool packed = launch_arguments(p->extra, params, size);
   node.kernel = true;
   node.function = reinterpret_cast<const FakeFunction*>(p->func);
-  if (!packed || size < static_cast<std::size_t>(node.function->kernel.pointers) * 8) return CUDA_ERROR_INVALID_VALUE;
+  if (!packed || size < static_cast<std::size_t>(node.function->kernel.pointers()) * 8) return CUDA_ERROR_INVALID_VALUE;
   node.args.assign(params, params + size);
   node.grid = Dim{p->gridDimX, p->gridDimY, p->gridDimZ};
   node.block = Dim{p->blockDimX, p->blockDimY, p->blockDimZ};
