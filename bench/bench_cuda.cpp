@@ -83,6 +83,9 @@ int main(int argc, char** argv) {
   cuda::check(api.cuStreamCreate(&stream, CU_STREAM_NON_BLOCKING), "cuStreamCreate", "bench");
   const auto sync = [&] { cuda::check(api.cuStreamSynchronize(stream), "cuStreamSynchronize", "bench"); };
   const std::size_t launches = 500;  // under the stream's queue depth
+  // Each baseline call is checked once before it is timed: a failing one would time nothing.
+  cuda::check(api.cuLaunchKernel(function, 4, 1, 1, 256, 1, 1, 0, stream, nullptr, extra), "cuLaunchKernel", "bench");
+  sync();
   const double raw = ns_per_op([&] { api.cuLaunchKernel(function, 4, 1, 1, 256, 1, 1, 0, stream, nullptr, extra); },
                                launches, 15, sync);
   const double lib = ns_per_op([&] { (*add)(bufs, vals, grid); }, launches, 15, [&] { dev->synchronize(); });
@@ -120,6 +123,8 @@ int main(int argc, char** argv) {
     }
     cuda::check(api.cuGraphInstantiate(&raw_exec, raw_graph, 0), "cuGraphInstantiate", "bench");
     const std::size_t replays = 50;
+    cuda::check(api.cuGraphLaunch(raw_exec, stream), "cuGraphLaunch", "bench");
+    sync();
     const double raw_replay = ns_per_op([&] { api.cuGraphLaunch(raw_exec, stream); }, replays, 15, sync);
     const double replay = ns_per_op([&] { graph->replay(inputs); }, replays, 15, [&] { dev->synchronize(); });
     const double eager100 = 100 * lib;
@@ -154,15 +159,33 @@ int main(int argc, char** argv) {
         1, 201);
     CUevent event = nullptr;
     cuda::check(api.cuEventCreate(&event, CU_EVENT_DISABLE_TIMING), "cuEventCreate", "bench");
+    cuda::check(api.cuEventRecord(event, stream), "cuEventRecord", "bench");
+    cuda::check(api.cuEventSynchronize(event), "cuEventSynchronize", "bench");
     const double events = ns_per_op(
         [&] {
           api.cuEventRecord(event, stream);
           api.cuEventSynchronize(event);
         },
         1, 201);
+    // CPU -> GPU: the GPU waits for a value the host sets after the submit, then signals back;
+    // the round trip against the same event round trip.
+    Signal go = hcq.alloc_signal(0), done = hcq.alloc_signal(0);
+    std::uint64_t w = 0;
+    const double round_trip = ns_per_op(
+        [&] {
+          w += 1;
+          hcq.compute_queue().wait(go, w).signal(done, w).submit(hcq);
+          go.set(w);
+          done.wait(w);
+        },
+        1, 201);
     api.cuEventDestroy(event);
     hcq.free_signal(s);
+    hcq.free_signal(go);
+    hcq.free_signal(done);
     row("GPU -> CPU signal latency (p50)" + label, ours, events, "<= 1x and < 5 us", ours <= events && ours < 5000);
+    row("CPU -> GPU -> CPU signal round trip (p50)" + label, round_trip, events, "<= 1x and < 5 us",
+        round_trip <= events && round_trip < 5000);
   }
 
   // Copies: pageable copyin through the pinned staging ring, and copyout, against cuMemcpyAsync
@@ -176,6 +199,9 @@ int main(int argc, char** argv) {
     cuda::check(api.cuMemHostAlloc(&pinned, bytes, CU_MEMHOSTALLOC_PORTABLE), "cuMemHostAlloc", "bench");
     const auto device_ptr = static_cast<CUdeviceptr>(big.allocation().va_addr);
     const auto host_ptr = reinterpret_cast<CUdeviceptr>(pinned);
+    cuda::check(api.cuMemcpyAsync(device_ptr, host_ptr, bytes, stream), "cuMemcpyAsync H2D", "bench");
+    cuda::check(api.cuMemcpyAsync(host_ptr, device_ptr, bytes, stream), "cuMemcpyAsync D2H", "bench");
+    sync();
     const double raw_h2d = ns_per_op([&] { api.cuMemcpyAsync(device_ptr, host_ptr, bytes, stream); }, 1, 7, sync);
     const double h2d = ns_per_op([&] { big.copyin(pageable); }, 1, 7, [&] { dev->synchronize(); });
     const double raw_d2h = ns_per_op([&] { api.cuMemcpyAsync(host_ptr, device_ptr, bytes, stream); }, 1, 7, sync);

@@ -40,6 +40,7 @@ namespace tinydev::cuda {
   X(cuDevicePrimaryCtxRetain)            \
   X(cuDevicePrimaryCtxRelease)           \
   X(cuCtxSetCurrent)                     \
+  X(cuCtxGetCurrent)                     \
   X(cuCtxSynchronize)                    \
   X(cuCtxEnablePeerAccess)               \
   X(cuMemGetInfo)                        \
@@ -67,6 +68,7 @@ namespace tinydev::cuda {
   X(cuGraphDestroy)                      \
   X(cuGraphAddKernelNode)                \
   X(cuGraphAddMemcpyNode)                \
+  X(cuGraphAddEmptyNode)                 \
   X(cuGraphInstantiate)                  \
   X(cuGraphExecDestroy)                  \
   X(cuGraphExecKernelNodeSetParams)      \

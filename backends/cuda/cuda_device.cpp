@@ -4,6 +4,7 @@
 // cuda_api.hpp (Note [CUDA at run time]): a build with this backend runs on machines without a
 // GPU, where opening CUDA is a DeviceUnavailable saying why and the default-device probe moves on.
 #include <fmt/format.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <array>
@@ -23,6 +24,7 @@
 #include "tinydev/counters.hpp"
 #include "tinydev/device.hpp"
 #include "tinydev/error.hpp"
+#include "tinydev/log.hpp"
 #include "tinydev/profile.hpp"
 
 namespace tinydev {
@@ -37,11 +39,35 @@ namespace {
 // into every context (PORTABLE | DEVICEMAP), and under unified addressing their device address is
 // their host address, which is what a queue's commands use; a driver that maps them elsewhere is
 // refused at open.
+const DeviceState* g_signal_owner_of_pool = nullptr;  // set with the pool (Note [CUDA at exit])
+
+// Makes `state`'s context current for a scope and then restores the thread's previous one: the
+// signal pool grows from inside another device's submit (a profiling span's signals), whose
+// next driver calls need that device's context.
+class ContextSwitch {
+ public:
+  explicit ContextSwitch(const DeviceState& state) : api_(state.api) {
+    if (api_.cuCtxGetCurrent(&previous_) != CUDA_SUCCESS) previous_ = nullptr;
+    state.make_current();
+    switch_back_ = previous_ != nullptr && previous_ != state.context;
+  }
+  ~ContextSwitch() {
+    if (switch_back_) api_.cuCtxSetCurrent(previous_);
+  }
+  ContextSwitch(const ContextSwitch&) = delete;
+  ContextSwitch& operator=(const ContextSwitch&) = delete;
+
+ private:
+  const Driver& api_;
+  CUcontext previous_ = nullptr;
+  bool switch_back_ = false;
+};
+
 const std::shared_ptr<SignalPool>& shared_signal_pool(const std::shared_ptr<DeviceState>& first) {
   static auto* pool = new std::shared_ptr<SignalPool>(std::make_shared<SignalPool>(
       "CUDA", SignalMemory{.allocate =
                                [state = first](std::size_t bytes) -> void* {
-                                 state->make_current();
+                                 const ContextSwitch in_owner(*state);
                                  void* p = nullptr;
                                  check(state->api.cuMemHostAlloc(&p, bytes, CU_MEMHOSTALLOC_PORTABLE |
                                                                                CU_MEMHOSTALLOC_DEVICEMAP),
@@ -62,6 +88,11 @@ const std::shared_ptr<SignalPool>& shared_signal_pool(const std::shared_ptr<Devi
                                  if (!state->released.load()) state->api.cuMemFreeHost(memory);
                                },
                            .device_writes_without_wake = true}));
+  static const bool owner_set = [&] {
+    g_signal_owner_of_pool = first.get();
+    return true;
+  }();
+  (void)owner_set;
   return *pool;
 }
 
@@ -129,8 +160,9 @@ constexpr char kTimestampPtx[] = R"(.version 8.0
 }
 )";
 
-// The most bytes of packed arguments a launch takes (CUDA's own limit is 32 KiB of parameters).
-constexpr std::size_t kMaxArgumentBytes = 32 * 1024;
+// The most bytes of packed arguments a launch takes (the driver's limit for kernel parameters on
+// Volta and later, CUDA 12.1 and later).
+constexpr std::size_t kMaxArgumentBytes = 32764;
 // Note [CUDA queue depth]: past this many timeline values in flight, a submit first waits.
 constexpr std::uint64_t kMaxInFlight = 1000;
 // Direct calls between two timeline signals at most (Note [Lazy timeline signals]).
@@ -159,10 +191,26 @@ void CudaProgram::throw_wrong_counts(std::size_t buffers, std::size_t values) co
                                     values));
 }
 
+// A direct call holds no reference to its program, so the last launch may still be queued or
+// running: the module is unloaded after the timeline passed it (a hung GPU leaks the module after
+// 30 s instead of unloading code under a running kernel). Queued execs and graphs keep their
+// programs alive themselves.
 CudaProgram::~CudaProgram() {
   const DeviceState& s = device_.state();
-  if (!s.released.load() && s.api.cuCtxSetCurrent(s.context) == CUDA_SUCCESS)
-    s.api.cuModuleUnload(static_cast<CUmodule>(module_));
+  if (s.released.load() || !device_.opened_in_this_process()) return;
+  if (const std::uint64_t launched = last_direct_value_.load(std::memory_order_acquire); launched != 0) {
+    try {
+      // The timeline value covering the last direct call is signalled by now, or by
+      // last_submitted_value() (Note [Lazy timeline signals]); after a wrap both are past.
+      device_.wait_timeline_reached(std::min(launched, device_.last_submitted_value()));
+    } catch (const Timeout& e) {
+      debug_log(1, device_.name(), "'{}' is unloaded at exit only: {}", name(), e.what());
+      return;
+    } catch (const std::exception&) {
+      // The device failed: its work will not run any more.
+    }
+  }
+  if (s.api.cuCtxSetCurrent(s.context) == CUDA_SUCCESS) s.api.cuModuleUnload(static_cast<CUmodule>(module_));
 }
 
 const std::string& CudaProgram::device() const noexcept { return device_.name(); }
@@ -182,8 +230,11 @@ std::optional<double> CudaProgram::operator()(std::span<const Allocation> buffer
                       static_cast<std::uint32_t>(values.size())};
   for (std::size_t i = 0; i < buffers.size(); ++i) args.set_buffer(i, buffers[i].va_addr);
   for (std::size_t i = 0; i < values.size(); ++i) args.set_value(i, values[i]);
-  return device_.launch_direct(*this, packed.data(), static_cast<std::uint32_t>(size), params.global, params.local,
-                               params.wait);
+  std::optional<double> seconds = device_.launch_direct(*this, packed.data(), static_cast<std::uint32_t>(size),
+                                                        params.global, params.local, params.wait);
+  // Read after the launch: at least the value that covers it (~CudaProgram waits for it).
+  last_direct_value_.store(device_.timeline_value(), std::memory_order_release);
+  return seconds;
 }
 
 class CudaRuntime final : public Runtime {
@@ -363,13 +414,19 @@ CudaHCQDevice::CudaHCQDevice(const std::string& name, std::shared_ptr<DeviceStat
                   std::make_unique<CudaRuntime>(*this), SourceLanguage::CUDA, shared_signal_pool(state)),
       state_(std::move(state)),
       kernargs_(name) {
-  // The clock: %globaltimer against the host's, taken around one timestamp (Note [CUDA queues]).
+  // The clock: %globaltimer against the host's, taken around a timestamp (Note [CUDA queues]); of
+  // three tries the one with the shortest round trip (the first pays for loading the kernel).
   Signal probe = alloc_signal(0);
-  const std::uint64_t before = Profiler::now_ns();
-  compute_queue().timestamp(probe).signal(probe, 1).submit(*this);
-  probe.wait(1, std::chrono::seconds(30));
-  const std::uint64_t after = Profiler::now_ns();
-  clock_offset_ns_ = static_cast<std::int64_t>((before + after) / 2) - static_cast<std::int64_t>(probe.timestamp());
+  std::uint64_t best_round_trip = ~std::uint64_t{0};
+  for (std::uint64_t round = 1; round <= 3; ++round) {
+    const std::uint64_t before = Profiler::now_ns();
+    compute_queue().timestamp(probe).signal(probe, round).submit(*this);
+    probe.wait(round, std::chrono::seconds(30));
+    const std::uint64_t after = Profiler::now_ns();
+    if (after - before >= best_round_trip) continue;
+    best_round_trip = after - before;
+    clock_offset_ns_ = static_cast<std::int64_t>((before + after) / 2) - static_cast<std::int64_t>(probe.timestamp());
+  }
   free_signal(probe);
   // Last: a constructor that throws runs no destructor, and only the destructor unregisters.
   LiveDevices& live = live_devices();
@@ -790,10 +847,20 @@ int ordinal_of(const std::string& canonical_name) {
 
 // Note [CUDA at exit]
 // Each device retains its GPU's primary context. At exit (an atexit handler registered after the
-// driver initialized, so it runs before the driver's own teardown) each live device finishes its
-// work, then releases the context; from then on the device refuses calls instead of touching a
-// dead context, and frees of its memory are skipped (the context took it along).
+// driver initialized, so it runs before the driver's own teardown) every live device first
+// finishes its work, while every context is alive: one GPU's queue may wait on another's signals,
+// and all signals live in memory of the first device's context (Note [CUDA signal memory]).
+// Then each device is marked released (from then on it refuses calls instead of touching a dead
+// context, and frees of its memory are skipped: the context takes it along) and its context is
+// released, last opened first. The context that owns the signal memory is the exception: it
+// stays retained until the process ends, because releasing a primary context's last reference
+// resets it and unmaps its memory, and handlers that run after this one (a profile writer
+// registered before the first CUDA open, static destructors of Buffers) still read signals. A
+// forked child inherits this handler but not the devices: it does nothing there.
+pid_t g_exit_handler_pid = 0;  // the process that registered release_at_exit
+
 void release_at_exit() {
+  if (::getpid() != g_exit_handler_pid) return;  // a forked child: the parent's contexts, not ours
   std::vector<CudaHCQDevice*> devices;
   {
     // Not held while synchronizing: a synchronize takes the device's submit mutex, which is
@@ -808,15 +875,30 @@ void release_at_exit() {
     } catch (const std::exception& e) {
       debug_log(1, device->name(), "unfinished work at exit: {}", e.what());
     }
-    DeviceState& s = device->state();
-    s.released.store(true, std::memory_order_release);
+  }
+  for (CudaHCQDevice* device : devices) device->state().released.store(true, std::memory_order_release);
+  for (auto it = devices.rbegin(); it != devices.rend(); ++it) {
+    DeviceState& s = (*it)->state();
+    if (&s == g_signal_owner_of_pool) continue;
     s.api.cuDevicePrimaryCtxRelease(s.device);  // an error here (driver already gone) is ignored
   }
 }
 
 std::shared_ptr<DeviceState> open_state(const std::string& name) {
   const Driver& api = driver();  // DeviceUnavailable: no driver, too old, cuInit failed
-  static const bool registered = [] { return std::atexit(&release_at_exit) == 0; }();
+  static const bool registered = [] {
+    g_exit_handler_pid = ::getpid();
+    // Note [CUDA queues]: the compute and copy streams wait for each other's signals with stream
+    // memory operations, which the GPU's scheduler does not see; on one hardware queue a wait
+    // submitted before its signal blocks that queue for ever.
+    if (const char* connections = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS");
+        connections && std::strtol(connections, nullptr, 10) == 1)
+      log_message(LogLevel::warning, "CUDA",
+                  "CUDA_DEVICE_MAX_CONNECTIONS=1 puts every stream on one hardware queue: a queue that waits for "
+                  "a signal set by work submitted later to another queue then waits for ever; unset it or make it "
+                  "2 or more (docs/cuda.md)");
+    return std::atexit(&release_at_exit) == 0;
+  }();
   (void)registered;
   auto state = std::make_shared<DeviceState>(api, name);
   int count = 0;

@@ -9,7 +9,12 @@
 // (cuGraphExecKernelNodeSetParams, cuGraphExecMemcpyNodeSetParams; a patch affects later launches
 // only, so one still running is safe), then launches it with one cuGraphLaunch on the compute
 // stream, ordered on the device's timeline like a direct call (CudaHCQDevice::run_ordered). A
-// replay with unchanged inputs patches nothing. While profiling, replays run node by node (each
+// replay with unchanged inputs patches nothing. The driver refuses some patches
+// (CUDA_ERROR_INVALID_VALUE): a copy whose memory now belongs to another context, or is host
+// memory where it was device memory; then the graph is built and instantiated again for these
+// inputs (the old executable graph is freed by the driver once a launch still running finished).
+// A copy of 0 bytes is an empty node (the driver takes no zero-length copy node), and a kernel
+// without parameters gets no argument buffer. While profiling, replays run node by node (each
 // through run_ordered), so every kernel and copy has its own span in the trace.
 #include <fmt/format.h>
 
@@ -56,8 +61,7 @@ class CudaGraph final : public Graph {
       // The device failed: its work will not run any more.
     }
     if (s.api.cuCtxSetCurrent(s.context) != CUDA_SUCCESS) return;
-    if (exec_) s.api.cuGraphExecDestroy(exec_);
-    if (graph_) s.api.cuGraphDestroy(graph_);
+    destroy();
   }
 
   std::optional<double> replay(std::span<const Allocation> inputs, std::span<const std::int32_t> variables,
@@ -68,8 +72,12 @@ class CudaGraph final : public Graph {
     const DeviceState& s = device_.state();
     s.make_current();
     if (device_.profiling()) return replay_node_by_node(inputs, variables, wait);
-    if (!exec_) build(inputs, variables);
-    else if (!same_as_last(inputs, variables)) patch(inputs, variables);
+    if (!exec_) {
+      build(inputs, variables);
+    } else if (!same_as_last(inputs, variables) && !patch(inputs, variables)) {
+      destroy();
+      build(inputs, variables);
+    }
     remember(inputs, variables);
     auto work = [&](void* stream) { return static_cast<int>(s.api.cuGraphLaunch(exec_, static_cast<CUstream>(stream))); };
     const std::optional<double> seconds = device_.run_ordered(work, launch_what_, wait);
@@ -137,6 +145,15 @@ class CudaGraph final : public Graph {
     return packed;
   }
 
+  // Destroys the instantiated graph and the graph (a launch still running finishes first).
+  void destroy() {
+    const DeviceState& s = device_.state();
+    if (exec_) s.api.cuGraphExecDestroy(exec_);
+    if (graph_) s.api.cuGraphDestroy(graph_);
+    exec_ = nullptr;
+    graph_ = nullptr;
+  }
+
   // Fills `p` for kernel node `i`; `extra` and `size` must outlive the driver call that reads it.
   void kernel_params(std::size_t i, CUDA_KERNEL_NODE_PARAMS& p, void* (&extra)[5], std::size_t& size) {
     const auto& k = std::get<GraphKernel>(nodes_[i]);
@@ -147,6 +164,7 @@ class CudaGraph final : public Graph {
     extra[3] = &size;
     extra[4] = CU_LAUNCH_PARAM_END;
     p = {};
+    p.extra = size ? extra : nullptr;  // no parameters: no buffer (a null one is an error)
     p.func = static_cast<CUfunction>(static_cast<const CudaProgram&>(*k.program).function());
     p.gridDimX = k.launch.global[0];
     p.gridDimY = k.launch.global[1];
@@ -154,7 +172,6 @@ class CudaGraph final : public Graph {
     p.blockDimX = k.launch.local[0];
     p.blockDimY = k.launch.local[1];
     p.blockDimZ = k.launch.local[2];
-    p.extra = extra;
   }
 
   static CUDA_MEMCPY3D copy_params(std::uint64_t dest, std::uint64_t src, std::size_t size) {
@@ -187,8 +204,10 @@ class CudaGraph final : public Graph {
           kernel_params(i, p, extra, size);
           check(s.api.cuGraphAddKernelNode(&handles_[i], graph_, after, deps, &p),
                 fmt::format("adding kernel '{}' to a graph (node {})", k->program->name(), i), s.name);
+        } else if (const auto& c = std::get<GraphCopy>(nodes_[i]); c.size == 0) {
+          check(s.api.cuGraphAddEmptyNode(&handles_[i], graph_, after, deps),
+                fmt::format("adding an empty node for a copy of 0 bytes to a graph (node {})", i), s.name);
         } else {
-          const auto& c = std::get<GraphCopy>(nodes_[i]);
           copies_[i] = {resolve(c.dest, inputs).va_addr, resolve(c.src, inputs).va_addr};
           const CUDA_MEMCPY3D params = copy_params(copies_[i].first, copies_[i].second, c.size);
           check(s.api.cuGraphAddMemcpyNode(&handles_[i], graph_, after, deps, &params, s.context),
@@ -197,15 +216,24 @@ class CudaGraph final : public Graph {
       }
       check(s.api.cuGraphInstantiate(&exec_, graph_, 0), "cuGraphInstantiate", s.name);
     } catch (...) {
-      s.api.cuGraphDestroy(graph_);
-      graph_ = nullptr;
-      exec_ = nullptr;
+      destroy();
       throw;
     }
   }
 
-  void patch(std::span<const Allocation> inputs, std::span<const std::int32_t> variables) {
+  // Patches the nodes whose inputs changed. False when the driver refuses a patch
+  // (CUDA_ERROR_INVALID_VALUE, Note [CUDA graph replay]): the caller builds the graph again.
+  bool patch(std::span<const Allocation> inputs, std::span<const std::int32_t> variables) {
     const DeviceState& s = device_.state();
+    const auto refused = [&](CUresult r, std::size_t i, std::string_view what) {
+      if (r == CUDA_ERROR_INVALID_VALUE) {
+        debug_log(2, s.name, "graph node {} ({}): the driver refuses the patch ({}): building the graph again", i,
+                  what, describe(r));
+        return true;
+      }
+      check(r, fmt::format("patching {} of a graph (node {})", what, i), s.name);
+      return false;
+    };
     for (std::size_t i = 0; i < nodes_.size(); ++i) {
       if (const auto* k = std::get_if<GraphKernel>(&nodes_[i])) {
         std::vector<std::byte> packed = pack(*k, inputs, variables);
@@ -217,19 +245,23 @@ class CudaGraph final : public Graph {
         kernel_params(i, p, extra, size);
         if (const CUresult r = s.api.cuGraphExecKernelNodeSetParams(exec_, handles_[i], &p); r != CUDA_SUCCESS) {
           args_[i].clear();  // unknown now: the next replay patches it again
-          check(r, fmt::format("patching kernel '{}' of a graph (node {})", k->program->name(), i), s.name);
+          if (refused(r, i, fmt::format("kernel '{}'", k->program->name()))) return false;
         }
       } else {
         const auto& c = std::get<GraphCopy>(nodes_[i]);
+        if (c.size == 0) continue;  // an empty node
         const std::pair<std::uint64_t, std::uint64_t> now{resolve(c.dest, inputs).va_addr,
                                                           resolve(c.src, inputs).va_addr};
         if (now == copies_[i]) continue;
         const CUDA_MEMCPY3D params = copy_params(now.first, now.second, c.size);
-        check(s.api.cuGraphExecMemcpyNodeSetParams(exec_, handles_[i], &params, s.context),
-              fmt::format("patching a copy of a graph (node {})", i), s.name);
+        if (const CUresult r = s.api.cuGraphExecMemcpyNodeSetParams(exec_, handles_[i], &params, s.context);
+            r != CUDA_SUCCESS) {
+          if (refused(r, i, fmt::format("a copy of {} bytes", c.size))) return false;
+        }
         copies_[i] = now;
       }
     }
+    return true;
   }
 
   CudaHCQDevice& device_;

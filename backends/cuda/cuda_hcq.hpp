@@ -29,6 +29,7 @@
 #pragma once
 
 #include <array>
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -90,6 +91,7 @@ class CudaProgram final : public Program {
   void* function_;  // CUfunction
   std::optional<KernelSignature> signature_;
   std::string launch_what_;
+  std::atomic<std::uint64_t> last_direct_value_{0};  // a timeline value at or after the last direct call's
 };
 
 // One recorded command (a queue's word). Which fields matter depends on `kind`.

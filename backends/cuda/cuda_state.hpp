@@ -51,18 +51,24 @@ inline bool sticky(CUresult r) {
     case CUDA_ERROR_INVALID_ADDRESS_SPACE:
     case CUDA_ERROR_INVALID_PC:
     case CUDA_ERROR_ECC_UNCORRECTABLE:
+    case CUDA_ERROR_CONTAINED:
+    case CUDA_ERROR_TENSOR_MEMORY_LEAK:
+    case CUDA_ERROR_MPS_CLIENT_TERMINATED:
+    case CUDA_ERROR_EXTERNAL_DEVICE:
       return true;
     default:
       return false;
   }
 }
 
-// Launches `function` on `stream` with the packed argument buffer (the driver copies it).
+// Launches `function` on `stream` with the packed argument buffer (the driver copies it); a
+// kernel without parameters gets no buffer.
 inline CUresult launch(const DeviceState& s, CUfunction function, CUstream stream, const std::byte* args, std::size_t bytes,
                 Dim3 g, Dim3 l) {
   void* extra[] = {CU_LAUNCH_PARAM_BUFFER_POINTER, const_cast<std::byte*>(args), CU_LAUNCH_PARAM_BUFFER_SIZE, &bytes,
                    CU_LAUNCH_PARAM_END};
-  return s.api.cuLaunchKernel(function, g[0], g[1], g[2], l[0], l[1], l[2], 0, stream, nullptr, extra);
+  return s.api.cuLaunchKernel(function, g[0], g[1], g[2], l[0], l[1], l[2], 0, stream, nullptr,
+                              bytes ? extra : nullptr);
 }
 
 }  // namespace tinydev::cuda

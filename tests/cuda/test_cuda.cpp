@@ -6,6 +6,8 @@
 #include <unistd.h>
 
 #include <cstring>
+#include <fstream>
+#include <iterator>
 #include <thread>
 
 #include "cuda_compiler.hpp"
@@ -510,6 +512,64 @@ TEST_CASE("cuda fake: launches with the wrong counts are InvalidArgument before 
   }
 }
 
+// Run by the exit test below, in a process of its own: uses both fake GPUs, leaves work queued,
+// and exits through exit() (a forked child first exits through it too).
+TEST_CASE("cuda fake: exit probe", "[.][cuda-exit-probe]") {
+  // The profile's exit writer is registered first, so it runs after the CUDA exit handler and
+  // reads the devices' signals then (Note [CUDA at exit]).
+  { ProfileRange before("before the GPUs open"); }
+  auto* a = fake_hcq("CUDA");
+  auto* b = fake_hcq("CUDA:1");
+  REQUIRE(a);
+  REQUIRE(b);
+  const std::size_t n = 4096;
+  const auto x = random_floats(n, fresh_seed());
+  for (auto* dev : {a, b}) {
+    auto add = dev->load_kernel("add", kernels::add_f32(SourceLanguage::CUDA));
+    auto* in = new Buffer(dev->name(), n, dtypes::float32);  // leaked: alive while the process exits
+    auto* out = new Buffer(dev->name(), n, dtypes::float32);
+    in->allocate().copyin(std::span<const float>(x));
+    out->allocate();
+    const Allocation bufs[] = {out->allocation(), in->allocation(), in->allocation()};
+    const std::int32_t vals[] = {static_cast<std::int32_t>(n)};
+    for (int i = 0; i < 50; ++i) (*add)(bufs, vals);  // direct calls, not waited for
+  }
+  static Buffer moved_at_exit(b->name(), n, dtypes::float32);  // destroyed after the contexts are released
+  moved_at_exit.allocate();
+  Buffer src(a->name(), n, dtypes::float32);
+  src.allocate().copyin(std::span<const float>(x));
+  HCQAllocator<cuda::CudaHCQDevice>::transfer(moved_at_exit.allocation(), src.allocation(), n * 4, *a, *b);
+  // A forked child inherits the exit handler but not the devices.
+  const pid_t child = ::fork();
+  REQUIRE(child >= 0);
+  if (child == 0) std::exit(0);
+  int status = 0;
+  REQUIRE(::waitpid(child, &status, 0) == child);
+  REQUIRE(WIFEXITED(status));
+  REQUIRE(WEXITSTATUS(status) == 0);
+}
+
+TEST_CASE("cuda fake: a process that used two GPUs while profiling exits cleanly, and so does its forked child", "[cuda][fake]") {
+  if (!fake_gpu()) return;
+  TempDir dir;
+  const std::string trace = dir.str() + "/exit.json";
+  const pid_t child = ::fork();
+  REQUIRE(child >= 0);
+  if (child == 0) {
+    ::setenv("TINYDEV_PROFILE", trace.c_str(), 1);
+    ::execl("/proc/self/exe", "/proc/self/exe", "[cuda-exit-probe]", static_cast<char*>(nullptr));
+    ::_exit(127);
+  }
+  int status = 0;
+  REQUIRE(::waitpid(child, &status, 0) == child);
+  INFO("a signal number here is a crash at exit: " << (WIFSIGNALED(status) ? WTERMSIG(status) : 0));
+  REQUIRE(WIFEXITED(status));
+  CHECK(WEXITSTATUS(status) == 0);
+  std::ifstream in(trace);
+  const std::string profile((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  CHECK_THAT(profile, Catch::Contains("\"CUDA\"") && Catch::Contains("\"CUDA:1\"") && Catch::Contains("add"));
+}
+
 TEST_CASE("cuda fake: a kernel's illegal address is sticky - the device says so on every later call", "[cuda][fake]") {
   FakeEnv fail("FAKE_CUDA_FAIL", "run:add=700");  // the kernel faults when it runs, as on a GPU
   auto* dev = fake_hcq();
@@ -657,6 +717,47 @@ TEST_CASE("cuda fake: a 100-kernel CUDA graph replays as eager and patches only 
   out.copyout(std::span<float>(first));
   out2.copyout(std::span<float>(second));
   CHECK(first == second);
+}
+
+TEST_CASE("cuda fake: a graph whose copy moves to memory the driver cannot patch in is built again, and empty copies and kernels without parameters run", "[cuda][fake]") {
+  auto* dev = fake_hcq();
+  if (!dev) return;
+  auto add = dev->load_kernel("add", kernels::add_f32(SourceLanguage::CUDA));
+  auto nop = dev->load_kernel("nop", std::string("extern \"C\" __global__ void nop() {}\n"));
+  REQUIRE(nop->signature() == KernelSignature{0, 0, false});
+  (*nop)({}, {}, LaunchParams{.wait = true});  // no argument buffer at all
+  const std::size_t n = 512;
+  const std::int32_t count[] = {static_cast<std::int32_t>(n)};
+  // in0 = in1 (a copy), an empty copy, nop, in2 = in0 + in0.
+  auto graph = dev->create_graph(
+      {GraphKernel{nop, {}, {}}, GraphCopy{GraphBuffer::in(0), GraphBuffer::in(1), n * 4},
+       GraphCopy{GraphBuffer::in(0), GraphBuffer::in(1), 0},
+       GraphKernel{add, {GraphBuffer::in(2), GraphBuffer::in(0), GraphBuffer::in(0)}, {GraphValue::var(0)}}});
+  Buffer mid(dev->name(), n, dtypes::float32), out(dev->name(), n, dtypes::float32);
+  Buffer device_src(dev->name(), n, dtypes::float32), pinned_src(dev->name(), n, dtypes::float32, BufferOptions{.host = true});
+  mid.allocate();
+  out.allocate();
+  device_src.allocate();
+  pinned_src.allocate();
+  const auto replay_from = [&](Buffer& src) {
+    const auto x = random_floats(n, fresh_seed());
+    src.copyin(std::span<const float>(x));
+    const Allocation inputs[] = {mid.allocation(), src.allocation(), out.allocation()};
+    graph->replay(inputs, count);
+    std::vector<float> got(n);
+    out.copyout(std::span<float>(got));
+    for (std::size_t i = 0; i < n; ++i) REQUIRE(got[i] == x[i] + x[i]);
+  };
+  const long built = fake_calls("cuGraphInstantiateWithFlags");
+  replay_from(device_src);
+  CHECK(fake_calls("cuGraphInstantiateWithFlags") == built + 1);
+  // Device memory to pinned host memory: the driver refuses the copy node's patch.
+  replay_from(pinned_src);
+  CHECK(fake_calls("cuGraphInstantiateWithFlags") == built + 2);
+  replay_from(pinned_src);  // the same inputs: nothing patched, nothing built
+  CHECK(fake_calls("cuGraphInstantiateWithFlags") == built + 2);
+  replay_from(device_src);
+  CHECK(fake_calls("cuGraphInstantiateWithFlags") == built + 3);
 }
 
 TEST_CASE("cuda fake: a graph launch the driver refuses is an Error and the device and the graph keep working", "[cuda][fake]") {

@@ -26,6 +26,7 @@
 //  fake_cuda_calls("cuGraphLaunch") how often a function was called.
 // Not a general emulator: what the backend does not call is not here.
 #include <cuda.h>
+#include <sys/mman.h>
 
 #include <atomic>
 #include <chrono>
@@ -54,6 +55,7 @@ struct FakeDevice {
   std::atomic<int> sticky{CUDA_SUCCESS};              // a sticky error poisons the context
   std::vector<FakeStream*> streams;
   std::set<int> peers;  // devices whose memory this one's context may access (cuCtxEnablePeerAccess)
+  int retained = 0;     // primary context references (cuDevicePrimaryCtxRetain/Release)
 };
 
 struct FakeModule {
@@ -97,6 +99,11 @@ std::vector<FakeDevice*>& devices() {
 }
 std::map<std::uintptr_t, std::size_t>& host_allocations() {
   static auto* h = new std::map<std::uintptr_t, std::size_t>;
+  return *h;
+}
+// The context (device ordinal) each pinned host allocation was made in: a context reset takes it.
+std::map<std::uintptr_t, int>& host_owners() {
+  static auto* h = new std::map<std::uintptr_t, int>;
   return *h;
 }
 thread_local FakeDevice* t_current = nullptr;
@@ -312,6 +319,7 @@ void fill_kernel(const std::byte* p, std::size_t, Dim grid, Dim block) {
   for (std::size_t t = 0; t < threads; ++t) o[t] = k + static_cast<std::int32_t>(t);
 }
 // odd(int n, float* p): a value before a pointer, which tinydev's packed arguments cannot pass.
+// nop(): nothing, without parameters.
 void nothing_kernel(const std::byte*, std::size_t, Dim, Dim) {}
 // The backend's timestamp kernel: *(u64*)p = %globaltimer (here the host's steady clock, in ns).
 void timestamp_kernel(const std::byte* p, std::size_t, Dim, Dim) {
@@ -325,6 +333,7 @@ const std::map<std::string, KernelInfo, std::less<>>& kernels() {
       {"add", {&add_kernel, {8, 8, 8, 4}}},     {"ping", {&inc_kernel, {8, 8}}},
       {"pong", {&inc_kernel, {8, 8}}},          {"scale", {&scale_kernel, {8, 8, 4, 4}}},
       {"fill", {&fill_kernel, {8, 4}}},         {"odd", {&nothing_kernel, {4, 8}}},
+      {"nop", {&nothing_kernel, {}}},
       {"tinydev_timestamp", {&timestamp_kernel, {8}}}};
   return *k;
 }
@@ -358,7 +367,16 @@ bool launch_arguments(void** extra, const std::byte*& params, std::size_t& size)
     if (*e == CU_LAUNCH_PARAM_BUFFER_POINTER) params = static_cast<const std::byte*>(e[1]);
     if (*e == CU_LAUNCH_PARAM_BUFFER_SIZE) size = *static_cast<const std::size_t*>(e[1]);
   }
-  return params != nullptr;
+  return params != nullptr || extra == nullptr;  // no `extra`: no arguments (a kernel without parameters)
+}
+
+// Where memory at `address` lives, as a graph's copy node sees it: a GPU's ordinal, -1 for pinned
+// host memory, -2 for memory the fake did not hand out (pageable host memory).
+int home_of(CUdeviceptr address) {
+  std::lock_guard lock(g_mutex);
+  for (const FakeDevice* d : devices())
+    if (inside(*d, static_cast<std::uintptr_t>(address), 1)) return d->ordinal;
+  return inside_host(static_cast<std::uintptr_t>(address), 1) ? -1 : -2;
 }
 
 // Runs kernel `f` of `device` as the GPU would: FAKE_CUDA_FAIL's run:<name> first, then an
@@ -499,11 +517,42 @@ CUresult CUDAAPI cuDeviceCanAccessPeer(int* can, CUdevice device, CUdevice peer)
 CUresult CUDAAPI cuDevicePrimaryCtxRetain(CUcontext* context, CUdevice device) {
   FAKE_INJECT(cuDevicePrimaryCtxRetain);
   std::lock_guard lock(g_mutex);
-  *context = reinterpret_cast<CUcontext>(devices().at(static_cast<std::size_t>(device)));
+  FakeDevice* d = devices().at(static_cast<std::size_t>(device));
+  d->retained += 1;
+  *context = reinterpret_cast<CUcontext>(d);
   return CUDA_SUCCESS;
 }
 
-CUresult CUDAAPI cuDevicePrimaryCtxRelease(CUdevice) { return CUDA_SUCCESS; }
+// Releasing the last reference resets the context, as the driver does: its memory is gone. Pinned
+// host memory it made is made inaccessible (PROT_NONE), so whoever still reads it crashes here as
+// on a GPU machine instead of reading freed memory quietly.
+CUresult CUDAAPI cuDevicePrimaryCtxRelease(CUdevice device) {
+  FAKE_INJECT(cuDevicePrimaryCtxRelease);
+  std::lock_guard lock(g_mutex);
+  if (device < 0 || static_cast<std::size_t>(device) >= devices().size()) return CUDA_ERROR_INVALID_DEVICE;
+  FakeDevice* d = devices()[static_cast<std::size_t>(device)];
+  if (d->retained == 0) return CUDA_ERROR_INVALID_CONTEXT;
+  if (--d->retained > 0) return CUDA_SUCCESS;
+  for (auto it = host_owners().begin(); it != host_owners().end();) {
+    if (it->second != d->ordinal) {
+      ++it;
+      continue;
+    }
+    const std::size_t bytes = (std::max<std::size_t>(host_allocations().at(it->first), 1) + 4095) / 4096 * 4096;
+    ::mprotect(reinterpret_cast<void*>(it->first), bytes, PROT_NONE);  // leaked: the process is ending
+    host_allocations().erase(it->first);
+    it = host_owners().erase(it);
+  }
+  d->allocations.clear();
+  d->used = 0;
+  return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI cuCtxGetCurrent(CUcontext* context) {
+  if (!context) return CUDA_ERROR_INVALID_VALUE;
+  *context = reinterpret_cast<CUcontext>(t_current);
+  return CUDA_SUCCESS;
+}
 
 CUresult CUDAAPI cuCtxSetCurrent(CUcontext context) {
   t_current = reinterpret_cast<FakeDevice*>(context);
@@ -571,10 +620,12 @@ CUresult CUDAAPI cuMemFree(CUdeviceptr pointer) {
 
 CUresult CUDAAPI cuMemHostAlloc(void** pointer, size_t size, unsigned int) {
   FAKE_INJECT(cuMemHostAlloc);
+  if (!t_current) return CUDA_ERROR_INVALID_CONTEXT;  // pinned memory belongs to a context
   std::lock_guard lock(g_mutex);
   void* p = std::aligned_alloc(4096, (std::max<std::size_t>(size, 1) + 4095) / 4096 * 4096);
   if (!p) return CUDA_ERROR_OUT_OF_MEMORY;
   host_allocations()[reinterpret_cast<std::uintptr_t>(p)] = size;
+  host_owners()[reinterpret_cast<std::uintptr_t>(p)] = t_current->ordinal;
   *pointer = p;
   return CUDA_SUCCESS;
 }
@@ -582,6 +633,7 @@ CUresult CUDAAPI cuMemHostAlloc(void** pointer, size_t size, unsigned int) {
 CUresult CUDAAPI cuMemFreeHost(void* pointer) {
   std::lock_guard lock(g_mutex);
   if (host_allocations().erase(reinterpret_cast<std::uintptr_t>(pointer)) == 0) return CUDA_ERROR_INVALID_VALUE;
+  host_owners().erase(reinterpret_cast<std::uintptr_t>(pointer));
   std::free(pointer);
   return CUDA_SUCCESS;
 }
@@ -835,6 +887,7 @@ CUresult CUDAAPI cuEventElapsedTime(float* ms, CUevent start, CUevent end) {
 namespace {
 struct FakeNode {
   bool kernel = false;
+  bool empty = false;  // cuGraphAddEmptyNode
   const FakeFunction* function = nullptr;
   std::vector<std::byte> args;
   Dim grid{1, 1, 1}, block{1, 1, 1};
@@ -876,7 +929,12 @@ CUresult copy_node(const CUDA_MEMCPY3D* p, FakeNode& node) {
   node.size = p->WidthInBytes;
   return copy_ends_ok(node.dest, node.src, node.size) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
 }
+CUresult empty_node(const void*, FakeNode& node) {
+  node.empty = true;
+  return CUDA_SUCCESS;
+}
 CUresult run_node(const FakeNode& node, FakeDevice* device) {
+  if (node.empty) return CUDA_SUCCESS;
   if (!node.kernel) {
     if (!copy_ends_ok(node.dest, node.src, node.size)) return CUDA_ERROR_ILLEGAL_ADDRESS;
     return device_copy(reinterpret_cast<void*>(node.dest), reinterpret_cast<const void*>(node.src), node.size);
@@ -904,10 +962,15 @@ CUresult set_node(CUgraphExec exec, CUgraphNode handle, const Params* params, bo
   auto* e = reinterpret_cast<FakeGraphExec*>(exec);
   for (std::size_t i = 0; i < e->handles.size(); ++i) {
     if (reinterpret_cast<CUgraphNode>(const_cast<FakeNode*>(e->handles[i])) != handle) continue;
-    if (e->nodes[i].kernel != kernel) return CUDA_ERROR_INVALID_VALUE;
+    if (e->nodes[i].kernel != kernel || e->nodes[i].empty) return CUDA_ERROR_INVALID_VALUE;
     FakeNode updated;
     if (CUresult r = fill(params, updated); r != CUDA_SUCCESS) return r;
     if (kernel && updated.function != e->nodes[i].function) return CUDA_ERROR_INVALID_VALUE;  // the driver's rule
+    // The driver's rule for copies: the memory must come from the same contexts (and kinds) as the
+    // instantiated node's ("the memory operands' mappings changed").
+    if (!kernel && (home_of(updated.dest) != home_of(e->nodes[i].dest) ||
+                    home_of(updated.src) != home_of(e->nodes[i].src)))
+      return CUDA_ERROR_INVALID_VALUE;
     e->nodes[i] = std::move(updated);
     return CUDA_SUCCESS;
   }
@@ -936,6 +999,10 @@ CUresult CUDAAPI cuGraphAddMemcpyNode(CUgraphNode* node, CUgraph graph, const CU
                                       const CUDA_MEMCPY3D* params, CUcontext) {
   FAKE_INJECT(cuGraphAddMemcpyNode);
   return add_node(node, graph, deps, count, params, &copy_node);
+}
+CUresult CUDAAPI cuGraphAddEmptyNode(CUgraphNode* node, CUgraph graph, const CUgraphNode* deps, size_t count) {
+  FAKE_INJECT(cuGraphAddEmptyNode);
+  return add_node(node, graph, deps, count, static_cast<const void*>(nullptr), &empty_node);
 }
 CUresult CUDAAPI cuGraphInstantiateWithFlags(CUgraphExec* exec, CUgraph graph, unsigned long long) {
   FAKE_INJECT(cuGraphInstantiateWithFlags);
