@@ -48,6 +48,10 @@ Graph::Graph(std::vector<GraphNode> nodes)
                                           i, k->program->name(), sig->num_buffers, sig->num_values,
                                           k->buffers.size(), k->values.size()));
       for (const GraphBuffer& b : k->buffers) see(b);
+      for (const std::size_t w : k->writes)
+        if (w >= k->buffers.size())
+          throw InvalidArgument(fmt::format("graph node {}: kernel '{}' writes buffer {}, but it takes {} buffers", i,
+                                            k->program->name(), w, k->buffers.size()));
       for (const GraphValue& v : k->values) {
         if (v.constant) continue;
         check_index(v.variable, i, "variable");

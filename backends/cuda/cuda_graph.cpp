@@ -14,12 +14,25 @@
 // memory where it was device memory; then the graph is built and instantiated again for these
 // inputs (the old executable graph is freed by the driver once a launch still running finished).
 // A copy of 0 bytes is an empty node (the driver takes no zero-length copy node), and a kernel
-// without parameters gets no argument buffer. While profiling, replays run node by node (each
+// without parameters gets no argument buffer.
+//
+// Note [CUDA graph dependencies]
+// Each node depends only on the earlier nodes its memory conflicts with, as in tinygrad's CUDA
+// graph, so the GPU may run nodes that share no memory at once. A copy writes its destination and
+// reads its source; a kernel writes the buffers GraphKernel::writes lists (all of them when it is
+// empty) and reads the others. Per buffer the graph tracks the last writer and the readers since:
+// a node that reads depends on the last writer of every buffer overlapping it, a node that writes
+// also on those readers. Buffers are compared by address range, not identity (a view overlaps its
+// base), and ranges depend on the replay's inputs: the graph remembers which input ranges
+// overlapped which buffers when it was built, and a replay whose inputs overlap differently (an
+// input passed twice, a view of a fixed buffer) builds the graph again with the dependencies that
+// now hold; a replay with the same overlaps only patches. While profiling, replays run node by node (each
 // through run_ordered), so every kernel and copy has its own span in the trace.
 #include <fmt/format.h>
 
 #include <algorithm>
 #include <cstring>
+#include <map>
 #include <string>
 #include <memory>
 #include <vector>
@@ -34,6 +47,7 @@ namespace {
 class CudaGraph final : public Graph {
  public:
   CudaGraph(CudaHCQDevice& device, std::vector<GraphNode> nodes) : Graph(std::move(nodes)), device_(device) {
+    find_uses();
     for (std::size_t i = 0; i < nodes_.size(); ++i) {
       const auto* k = std::get_if<GraphKernel>(&nodes_[i]);
       if (!k) continue;
@@ -74,9 +88,16 @@ class CudaGraph final : public Graph {
     if (device_.profiling()) return replay_node_by_node(inputs, variables, wait);
     if (!exec_) {
       build(inputs, variables);
-    } else if (!same_as_last(inputs, variables) && !patch(inputs, variables)) {
-      destroy();
-      build(inputs, variables);
+    } else if (!same_as_last(inputs, variables)) {
+      if (overlaps(inputs) != overlaps_) {
+        debug_log(2, s.name, "graph replay: the inputs overlap other buffers differently than when the graph was "
+                             "built: building it again (Note [CUDA graph dependencies])");
+        destroy();
+        build(inputs, variables);
+      } else if (!patch(inputs, variables)) {
+        destroy();
+        build(inputs, variables);
+      }
     }
     remember(inputs, variables);
     auto work = [&](void* stream) { return static_cast<int>(s.api.cuGraphLaunch(exec_, static_cast<CUstream>(stream))); };
@@ -145,6 +166,100 @@ class CudaGraph final : public Graph {
     return packed;
   }
 
+  // ---- Note [CUDA graph dependencies] ----
+  struct Use {
+    std::uint32_t resource;  // a fixed buffer (index into fixed_), or fixed_.size() + input index
+    bool writes;
+  };
+
+  // The distinct fixed buffers and each node's uses of buffers.
+  void find_uses() {
+    std::map<std::pair<std::uintptr_t, std::size_t>, std::uint32_t> ids;
+    const auto resource = [&](const GraphBuffer& b) -> std::uint32_t {
+      if (!b.fixed) return static_cast<std::uint32_t>(b.input);  // offset by fixed_.size() below
+      const auto [it, added] = ids.try_emplace({b.fixed->va_addr, b.fixed->size},
+                                               static_cast<std::uint32_t>(fixed_.size()));
+      if (added) fixed_.push_back(*b.fixed);
+      return it->second;
+    };
+    std::vector<std::vector<std::pair<const GraphBuffer*, bool>>> raw(nodes_.size());
+    for (std::size_t i = 0; i < nodes_.size(); ++i) {
+      if (const auto* k = std::get_if<GraphKernel>(&nodes_[i])) {
+        for (std::size_t b = 0; b < k->buffers.size(); ++b)
+          raw[i].emplace_back(&k->buffers[b],
+                              k->writes.empty() || std::find(k->writes.begin(), k->writes.end(), b) != k->writes.end());
+      } else if (const auto& c = std::get<GraphCopy>(nodes_[i]); c.size != 0) {
+        raw[i].emplace_back(&c.dest, true);
+        raw[i].emplace_back(&c.src, false);
+      }
+      for (const auto& [buffer, writes] : raw[i]) resource(*buffer);
+    }
+    uses_.resize(nodes_.size());
+    for (std::size_t i = 0; i < nodes_.size(); ++i)
+      for (const auto& [buffer, writes] : raw[i])
+        uses_[i].push_back(Use{buffer->fixed ? resource(*buffer)
+                                             : static_cast<std::uint32_t>(fixed_.size() + buffer->input),
+                               writes});
+  }
+
+  // The memory of resource `r` in this replay, as [begin, end).
+  std::pair<std::uint64_t, std::uint64_t> range(std::uint32_t r, std::span<const Allocation> inputs) const {
+    const Allocation& a = r < fixed_.size() ? fixed_[r] : inputs[r - fixed_.size()];
+    return {a.va_addr, a.va_addr + std::max<std::size_t>(a.size, 1)};
+  }
+  static bool overlap(std::pair<std::uint64_t, std::uint64_t> a, std::pair<std::uint64_t, std::uint64_t> b) {
+    return a.first < b.second && b.first < a.second;
+  }
+
+  // The pairs (a, b), a < b and b an input, whose memory overlaps in this replay.
+  std::vector<std::pair<std::uint32_t, std::uint32_t>> overlaps(std::span<const Allocation> inputs) const {
+    std::vector<std::pair<std::uint32_t, std::uint32_t>> pairs;
+    const auto first_input = static_cast<std::uint32_t>(fixed_.size());
+    const auto all = static_cast<std::uint32_t>(fixed_.size() + inputs.size());
+    for (std::uint32_t b = first_input; b < all; ++b)
+      for (std::uint32_t a = 0; a < b; ++a)
+        if (overlap(range(a, inputs), range(b, inputs))) pairs.emplace_back(a, b);
+    return pairs;
+  }
+
+  // Each node's dependencies (indices of earlier nodes) for this replay's inputs.
+  std::vector<std::vector<std::size_t>> dependencies(std::span<const Allocation> inputs) const {
+    const std::size_t all = fixed_.size() + inputs.size();
+    std::vector<std::vector<std::uint32_t>> overlapping(all);
+    for (std::uint32_t r = 0; r < all; ++r) overlapping[r].push_back(r);
+    const auto link = [&](std::uint32_t a, std::uint32_t b) {
+      overlapping[a].push_back(b);
+      overlapping[b].push_back(a);
+    };
+    for (std::uint32_t b = 0; b < fixed_.size(); ++b)
+      for (std::uint32_t a = 0; a < b; ++a)
+        if (overlap(range(a, inputs), range(b, inputs))) link(a, b);
+    for (const auto& [a, b] : overlaps(inputs)) link(a, b);
+    constexpr std::size_t kNone = ~std::size_t{0};
+    std::vector<std::size_t> last_writer(all, kNone);
+    std::vector<std::vector<std::size_t>> readers(all);
+    std::vector<std::vector<std::size_t>> deps(nodes_.size());
+    for (std::size_t i = 0; i < nodes_.size(); ++i) {
+      for (const Use& use : uses_[i]) {
+        for (const std::uint32_t other : overlapping[use.resource]) {
+          if (last_writer[other] != kNone) deps[i].push_back(last_writer[other]);
+          if (use.writes) deps[i].insert(deps[i].end(), readers[other].begin(), readers[other].end());
+        }
+      }
+      std::sort(deps[i].begin(), deps[i].end());
+      deps[i].erase(std::unique(deps[i].begin(), deps[i].end()), deps[i].end());
+      for (const Use& use : uses_[i]) {
+        if (use.writes) {
+          last_writer[use.resource] = i;
+          readers[use.resource].clear();
+        }
+      }
+      for (const Use& use : uses_[i])
+        if (!use.writes) readers[use.resource].push_back(i);
+    }
+    return deps;
+  }
+
   // Destroys the instantiated graph and the graph (a launch still running finishes first).
   void destroy() {
     const DeviceState& s = device_.state();
@@ -191,11 +306,18 @@ class CudaGraph final : public Graph {
     args_.assign(nodes_.size(), {});
     copies_.assign(nodes_.size(), {0, 0});
     handles_.assign(nodes_.size(), nullptr);
+    const std::vector<std::vector<std::size_t>> dependencies = this->dependencies(inputs);
+    overlaps_ = overlaps(inputs);
+    std::size_t edges = 0;
     check(s.api.cuGraphCreate(&graph_, 0), "cuGraphCreate", s.name);
     try {
+      std::vector<CUgraphNode> before;
       for (std::size_t i = 0; i < nodes_.size(); ++i) {
-        const CUgraphNode* after = i ? &handles_[i - 1] : nullptr;
-        const std::size_t deps = i ? 1 : 0;
+        before.clear();
+        for (const std::size_t d : dependencies[i]) before.push_back(handles_[d]);
+        const CUgraphNode* after = before.empty() ? nullptr : before.data();
+        const std::size_t deps = before.size();
+        edges += deps;
         if (const auto* k = std::get_if<GraphKernel>(&nodes_[i])) {
           args_[i] = pack(*k, inputs, variables);
           CUDA_KERNEL_NODE_PARAMS p;
@@ -215,6 +337,8 @@ class CudaGraph final : public Graph {
         }
       }
       check(s.api.cuGraphInstantiate(&exec_, graph_, 0), "cuGraphInstantiate", s.name);
+      debug_log(2, s.name, "graph of {} nodes built with {} dependencies (Note [CUDA graph dependencies])",
+                nodes_.size(), edges);
     } catch (...) {
       destroy();
       throw;
@@ -265,6 +389,9 @@ class CudaGraph final : public Graph {
   }
 
   CudaHCQDevice& device_;
+  std::vector<Allocation> fixed_;      // the distinct fixed buffers (Note [CUDA graph dependencies])
+  std::vector<std::vector<Use>> uses_;  // per node
+  std::vector<std::pair<std::uint32_t, std::uint32_t>> overlaps_;  // overlaps() when built
   CUgraph graph_ = nullptr;
   CUgraphExec exec_ = nullptr;
   std::vector<CUgraphNode> handles_;

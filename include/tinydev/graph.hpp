@@ -53,6 +53,10 @@ struct GraphKernel {
   std::vector<GraphBuffer> buffers;
   std::vector<GraphValue> values;
   LaunchParams launch{};
+  // The indices into `buffers` the kernel writes (tinygrad's ProgramSpec.outs); empty: any of
+  // them. Native graphs let nodes that write nothing another node touches run at once (Note
+  // [CUDA graph dependencies]); a kernel writing a buffer not listed here races with them.
+  std::vector<std::size_t> writes{};
 };
 
 struct GraphCopy {

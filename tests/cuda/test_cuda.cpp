@@ -760,6 +760,74 @@ TEST_CASE("cuda fake: a graph whose copy moves to memory the driver cannot patch
   CHECK(fake_calls("cuGraphInstantiateWithFlags") == built + 3);
 }
 
+TEST_CASE("cuda fake: graph nodes that write nothing another reads have no dependency, and inputs that alias build the dependencies that then hold", "[cuda][fake]") {
+  auto* dev = fake_hcq();
+  if (!dev) return;
+  const auto edges = fake_function<long()>("fake_cuda_graph_edges");
+  const long built_before = fake_calls("cuGraphInstantiateWithFlags");
+  auto add = dev->load_kernel("add", kernels::add_f32(SourceLanguage::CUDA));
+  const std::size_t n = 300;
+  const GraphValue count = GraphValue::of(static_cast<std::int32_t>(n));
+  Buffer p(dev->name(), n, dtypes::float32), q(dev->name(), n, dtypes::float32), r(dev->name(), n, dtypes::float32);
+  p.allocate();
+  q.allocate();
+  r.allocate();
+  using B = GraphBuffer;
+  // p = x + y and q = y + x read the same inputs and write different buffers; r = p + q; out = r.
+  const auto nodes = [&](std::vector<std::size_t> writes) {
+    return std::vector<GraphNode>{GraphKernel{add, {B::of(p.allocation()), B::in(0), B::in(1)}, {count}, {}, writes},
+                                  GraphKernel{add, {B::of(q.allocation()), B::in(1), B::in(0)}, {count}, {}, writes},
+                                  GraphKernel{add, {B::of(r.allocation()), B::of(p.allocation()), B::of(q.allocation())},
+                                              {count}, {}, writes},
+                                  GraphCopy{B::in(2), B::of(r.allocation()), n * 4}};
+  };
+  auto declared = dev->create_graph(nodes({0}));
+  auto undeclared = dev->create_graph(nodes({}));  // every buffer may be written: the readers of x and y chain
+  CHECK_THROWS_WITH(dev->create_graph({GraphKernel{add, {B::in(0), B::in(1), B::in(2)}, {count}, {}, {3}}}),
+                    Catch::Contains("writes buffer 3, but it takes 3 buffers"));
+  Buffer x(dev->name(), n, dtypes::float32), y(dev->name(), n, dtypes::float32), out(dev->name(), n, dtypes::float32);
+  x.allocate();
+  y.allocate();
+  out.allocate();
+  const auto run = [&](Graph& g, Buffer& dest) {
+    const auto xs = random_floats(n, fresh_seed()), ys = random_floats(n, fresh_seed());
+    x.copyin(std::span<const float>(xs));
+    y.copyin(std::span<const float>(ys));
+    const Allocation inputs[] = {x.allocation(), y.allocation(), dest.allocation()};
+    g.replay(inputs);
+    std::vector<float> got(n);
+    dest.copyout(std::span<float>(got));
+    for (std::size_t i = 0; i < n; ++i) REQUIRE(got[i] == (xs[i] + ys[i]) + (ys[i] + xs[i]));
+  };
+  run(*declared, out);
+  CHECK(edges() == 3);  // r after p and q, the copy after r: p and q may run at once
+  run(*undeclared, out);
+  CHECK(edges() == 4);  // and q after p
+  CHECK(fake_calls("cuGraphInstantiateWithFlags") == built_before + 2);
+  run(*declared, out);  // the same inputs: nothing built
+  CHECK(fake_calls("cuGraphInstantiateWithFlags") == built_before + 2);
+  // The copy now writes x, which p and q read: built again, the copy after them too.
+  run(*declared, x);
+  CHECK(fake_calls("cuGraphInstantiateWithFlags") == built_before + 3);
+  CHECK(edges() == 5);
+  run(*declared, x);  // the same overlaps: patched, not built
+  CHECK(fake_calls("cuGraphInstantiateWithFlags") == built_before + 3);
+  // Write after read: the copy into x waits for the kernel that reads x (the fake would run it first).
+  auto war = dev->create_graph({GraphKernel{add, {B::in(2), B::in(0), B::in(1)}, {count}, {}, {0}},
+                                GraphCopy{B::in(0), B::in(1), n * 4}});
+  const auto xs = random_floats(n, fresh_seed()), ys = random_floats(n, fresh_seed());
+  x.copyin(std::span<const float>(xs));
+  y.copyin(std::span<const float>(ys));
+  const Allocation inputs[] = {x.allocation(), y.allocation(), out.allocation()};
+  war->replay(inputs);
+  CHECK(edges() == 1);
+  std::vector<float> sum(n), moved(n);
+  out.copyout(std::span<float>(sum));
+  x.copyout(std::span<float>(moved));
+  for (std::size_t i = 0; i < n; ++i) REQUIRE(sum[i] == xs[i] + ys[i]);
+  CHECK(moved == ys);
+}
+
 TEST_CASE("cuda fake: a graph launch the driver refuses is an Error and the device and the graph keep working", "[cuda][fake]") {
   auto* dev = fake_hcq();
   if (!dev) return;

@@ -18,8 +18,11 @@
 //  - FAKE_CUDA_FAIL="cuLaunchKernel=719,cuMemAlloc_v2=2" makes those functions return that
 //    CUresult (read on every call), and "run:add=719" makes kernel `add` fail when it runs (a
 //    sticky error), so the backend's error paths run in CI;
-//  - graphs: kernel and 1-D copy nodes, instantiated, patched (cuGraphExec*NodeSetParams) and
-//    launched on a stream, running their nodes in the order they were added;
+//  - graphs: kernel, 1-D copy and empty nodes, instantiated, patched (cuGraphExec*NodeSetParams)
+//    and launched on a stream, running their nodes in an order their dependencies allow that is
+//    as far from the order they were added as it gets (the latest-added ready node first), so a
+//    missing dependency shows as a wrong result; fake_cuda_graph_edges() counts the last
+//    instantiated graph's dependencies;
 //  - FAKE_CUDA_NO_PEER=1: no device can access another's memory (copies between them still
 //    work, staged by the "driver"); FAKE_CUDA_NO_MEMOPS=1: no 64-bit stream memory operations.
 //  fake_cuda_peer_enabled(from, to) tells tests whether the backend enabled peer access, and
@@ -38,6 +41,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <queue>
 #include <set>
 #include <string>
 #include <string_view>
@@ -882,7 +886,7 @@ CUresult CUDAAPI cuEventElapsedTime(float* ms, CUevent start, CUevent end) {
 
 }  // extern "C"
 
-// ---- graphs: nodes run in the order they were added (tinydev adds each after the one before) ----
+// ---- graphs: nodes run in an order their dependencies allow, the latest-added ready node first ----
 
 namespace {
 struct FakeNode {
@@ -893,7 +897,9 @@ struct FakeNode {
   Dim grid{1, 1, 1}, block{1, 1, 1};
   CUdeviceptr dest = 0, src = 0;
   std::size_t size = 0;
+  std::vector<std::size_t> deps;  // indices of the graph's nodes this one runs after
 };
+std::atomic<long> g_last_graph_edges{0};
 struct FakeGraph {
   std::vector<std::unique_ptr<FakeNode>> nodes;  // node handles point at these
 };
@@ -946,13 +952,17 @@ CUresult add_node(CUgraphNode* out, CUgraph graph, const CUgraphNode* deps, std:
                   Fill fill) {
   auto* g = reinterpret_cast<FakeGraph*>(graph);
   if (!g || !out) return CUDA_ERROR_INVALID_VALUE;
+  std::vector<std::size_t> indices;
   for (std::size_t i = 0; i < count; ++i) {  // dependencies must be earlier nodes of this graph
-    bool found = false;
-    for (const auto& n : g->nodes) found |= reinterpret_cast<CUgraphNode>(n.get()) == deps[i];
-    if (!found) return CUDA_ERROR_INVALID_VALUE;
+    std::size_t found = g->nodes.size();
+    for (std::size_t n = 0; n < g->nodes.size(); ++n)
+      if (reinterpret_cast<CUgraphNode>(g->nodes[n].get()) == deps[i]) found = n;
+    if (found == g->nodes.size()) return CUDA_ERROR_INVALID_VALUE;
+    indices.push_back(found);
   }
   auto node = std::make_unique<FakeNode>();
   if (CUresult r = fill(params, *node); r != CUDA_SUCCESS) return r;
+  node->deps = std::move(indices);
   *out = reinterpret_cast<CUgraphNode>(node.get());
   g->nodes.push_back(std::move(node));
   return CUDA_SUCCESS;
@@ -971,6 +981,7 @@ CUresult set_node(CUgraphExec exec, CUgraphNode handle, const Params* params, bo
     if (!kernel && (home_of(updated.dest) != home_of(e->nodes[i].dest) ||
                     home_of(updated.src) != home_of(e->nodes[i].src)))
       return CUDA_ERROR_INVALID_VALUE;
+    updated.deps = e->nodes[i].deps;  // a patch changes parameters, not edges
     e->nodes[i] = std::move(updated);
     return CUDA_SUCCESS;
   }
@@ -1011,10 +1022,13 @@ CUresult CUDAAPI cuGraphInstantiateWithFlags(CUgraphExec* exec, CUgraph graph, u
   const auto* g = reinterpret_cast<const FakeGraph*>(graph);
   auto* e = new FakeGraphExec;
   e->device = t_current;
+  long edges = 0;
   for (const auto& n : g->nodes) {
     e->handles.push_back(n.get());
     e->nodes.push_back(*n);
+    edges += static_cast<long>(n->deps.size());
   }
+  g_last_graph_edges.store(edges);
   *exec = reinterpret_cast<CUgraphExec>(e);
   return CUDA_SUCCESS;
 }
@@ -1032,14 +1046,32 @@ CUresult CUDAAPI cuGraphExecMemcpyNodeSetParams(CUgraphExec exec, CUgraphNode no
   FAKE_INJECT(cuGraphExecMemcpyNodeSetParams);
   return set_node(exec, node, params, false, &copy_node);
 }
+// What tests ask the fake: the dependencies of the graph instantiated last.
+long fake_cuda_graph_edges() { return g_last_graph_edges.load(); }
+
 CUresult CUDAAPI cuGraphLaunch(CUgraphExec exec, CUstream stream) {
   FAKE_INJECT(cuGraphLaunch);
   FAKE_STICKY();
   const auto* e = reinterpret_cast<const FakeGraphExec*>(exec);
-  // A launch runs the parameters the exec has now; later patches affect later launches only.
+  // A launch runs the parameters the exec has now; later patches affect later launches only. The
+  // order: of the nodes whose dependencies ran, the latest added first (as unlike the order they
+  // were added as the edges allow, so a missing edge shows).
   return submit(stream, [nodes = e->nodes, device = e->device] {
-    for (const FakeNode& node : nodes)
-      if (CUresult r = run_node(node, device); r != CUDA_SUCCESS) return r;
+    std::vector<std::size_t> waiting_for(nodes.size());
+    std::vector<std::vector<std::size_t>> dependents(nodes.size());
+    std::priority_queue<std::size_t> ready;
+    for (std::size_t i = 0; i < nodes.size(); ++i) {
+      waiting_for[i] = nodes[i].deps.size();
+      for (const std::size_t d : nodes[i].deps) dependents[d].push_back(i);
+      if (waiting_for[i] == 0) ready.push(i);
+    }
+    while (!ready.empty()) {
+      const std::size_t i = ready.top();
+      ready.pop();
+      if (CUresult r = run_node(nodes[i], device); r != CUDA_SUCCESS) return r;
+      for (const std::size_t d : dependents[i])
+        if (--waiting_for[d] == 0) ready.push(d);
+    }
     return CUDA_SUCCESS;
   });
 }
