@@ -104,8 +104,21 @@ void check(CUresult result, std::string_view what, std::string_view device) {
   throw Error(fmt::format("{}: {} failed: {}", device, what, describe(result)));
 }
 
-const Driver& driver() {
+namespace {
+DriverState& driver_state() {
   static DriverState* state = new DriverState;  // never destroyed: the driver outlives static destructors
+  return *state;
+}
+}  // namespace
+
+int loaded_driver_version() {
+  DriverState& state = driver_state();
+  std::lock_guard lock(state.mutex);
+  return state.loaded ? state.driver.version : 0;
+}
+
+const Driver& driver() {
+  DriverState* state = &driver_state();
   std::lock_guard lock(state->mutex);
   if (state->loaded) return state->driver;
   const std::string configured = settings().cuda_driver;
@@ -143,9 +156,14 @@ const Nvrtc& nvrtc() {
   std::lock_guard lock(state->mutex);
   if (state->loaded) return state->nvrtc;
   std::string opened, errors;
-  void* handle = open_first({"libnvrtc.so.13", "libnvrtc.so.12", "/usr/local/cuda/lib64/libnvrtc.so.13",
-                             "/usr/local/cuda/lib64/libnvrtc.so.12"},
-                            opened, errors);
+  // NVRTC's output needs a driver of at least its major version (PTX 9.x does not JIT on a 12.x
+  // driver): with a 12.x driver loaded, NVRTC 12 first.
+  std::vector<std::string> candidates{"libnvrtc.so.13", "libnvrtc.so.12", "/usr/local/cuda/lib64/libnvrtc.so.13",
+                                      "/usr/local/cuda/lib64/libnvrtc.so.12"};
+  if (const int version = loaded_driver_version(); version != 0 && version / 1000 < 13)
+    candidates = {"libnvrtc.so.12", "/usr/local/cuda/lib64/libnvrtc.so.12", "libnvrtc.so.13",
+                  "/usr/local/cuda/lib64/libnvrtc.so.13"};
+  void* handle = open_first(candidates, opened, errors);
   if (!handle)
     throw DeviceUnavailable(fmt::format("CUDA: NVRTC cannot be opened ({}): install the CUDA toolkit's NVRTC (13 or 12)",
                                         errors.substr(3)));

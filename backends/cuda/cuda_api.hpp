@@ -118,7 +118,10 @@ struct Nvrtc {
 // backend needs (naming it), or cuInit failing (no GPU, a driver/kernel-module mismatch).
 const Driver& driver();
 
-// NVRTC, loaded once. Throws DeviceUnavailable when no libnvrtc 13 or 12 can be opened, or a
+// The loaded driver's cuDriverGetVersion, or 0 while none is loaded (loads nothing).
+int loaded_driver_version();
+
+// NVRTC, loaded once (NVRTC 12 first when a 12.x driver is loaded already). Throws DeviceUnavailable when no libnvrtc 13 or 12 can be opened, or a
 // function is missing. Needs no GPU and no driver.
 const Nvrtc& nvrtc();
 

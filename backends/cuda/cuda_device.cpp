@@ -900,6 +900,21 @@ std::shared_ptr<DeviceState> open_state(const std::string& name) {
     return std::atexit(&release_at_exit) == 0;
   }();
   (void)registered;
+  static const bool versions_checked = [&] {
+    try {
+      if (const Nvrtc& compiler = nvrtc(); compiler.major > api.version / 1000)
+        log_message(LogLevel::warning, "CUDA",
+                    fmt::format("NVRTC {}.{} ({}) compiles for CUDA {} drivers, and this driver is {}.{}: kernels may "
+                                "fail to load (CUDA_ERROR_UNSUPPORTED_PTX_VERSION); update the NVIDIA driver or "
+                                "install NVRTC {}",
+                                compiler.major, compiler.minor, compiler.path, compiler.major, api.version / 1000,
+                                api.version % 1000 / 10, api.version / 1000));
+    } catch (const Error&) {
+      // No NVRTC: the compiler says so when it is used.
+    }
+    return true;
+  }();
+  (void)versions_checked;
   auto state = std::make_shared<DeviceState>(api, name);
   int count = 0;
   check(api.cuDeviceGetCount(&count), "cuDeviceGetCount", name);

@@ -514,7 +514,7 @@ TEST_CASE("cuda fake: launches with the wrong counts are InvalidArgument before 
 
 // Run by the exit test below, in a process of its own: uses both fake GPUs, leaves work queued,
 // and exits through exit() (a forked child first exits through it too).
-TEST_CASE("cuda fake: exit probe", "[.][cuda-exit-probe]") {
+TEST_CASE("cuda fake: exit probe", "[.][probe][cuda-exit-probe]") {
   // The profile's exit writer is registered first, so it runs after the CUDA exit handler and
   // reads the devices' signals then (Note [CUDA at exit]).
   { ProfileRange before("before the GPUs open"); }
@@ -549,6 +549,38 @@ TEST_CASE("cuda fake: exit probe", "[.][cuda-exit-probe]") {
   REQUIRE(WEXITSTATUS(status) == 0);
 }
 
+// Run by the version test below with FAKE_CUDA_DRIVER_VERSION=12040: the first open warns that
+// NVRTC 13's output needs a newer driver.
+TEST_CASE("cuda fake: version probe", "[.][probe][cuda-version-probe]") {
+  std::mutex mutex;
+  std::vector<std::string> warnings;
+  set_log_sink([&](LogLevel level, std::string_view, std::string_view message) {
+    std::lock_guard lock(mutex);
+    if (level == LogLevel::warning) warnings.emplace_back(message);
+  });
+  REQUIRE(fake_hcq());
+  set_log_sink(nullptr);
+  bool warned = false;
+  for (const std::string& w : warnings)
+    warned |= w.find("compiles for CUDA 13 drivers, and this driver is 12.4") != std::string::npos;
+  CHECK(warned);
+}
+
+TEST_CASE("cuda fake: NVRTC newer than the driver is a warning at the first open naming both", "[cuda][fake]") {
+  if (!fake_gpu()) return;
+  const pid_t child = ::fork();
+  REQUIRE(child >= 0);
+  if (child == 0) {
+    ::setenv("FAKE_CUDA_DRIVER_VERSION", "12040", 1);
+    ::execl("/proc/self/exe", "/proc/self/exe", "--warn", "NoTests", "[cuda-version-probe]", static_cast<char*>(nullptr));
+    ::_exit(127);
+  }
+  int status = 0;
+  REQUIRE(::waitpid(child, &status, 0) == child);
+  REQUIRE(WIFEXITED(status));
+  CHECK(WEXITSTATUS(status) == 0);
+}
+
 TEST_CASE("cuda fake: a process that used two GPUs while profiling exits cleanly, and so does its forked child", "[cuda][fake]") {
   if (!fake_gpu()) return;
   TempDir dir;
@@ -557,7 +589,7 @@ TEST_CASE("cuda fake: a process that used two GPUs while profiling exits cleanly
   REQUIRE(child >= 0);
   if (child == 0) {
     ::setenv("TINYDEV_PROFILE", trace.c_str(), 1);
-    ::execl("/proc/self/exe", "/proc/self/exe", "[cuda-exit-probe]", static_cast<char*>(nullptr));
+    ::execl("/proc/self/exe", "/proc/self/exe", "--warn", "NoTests", "[cuda-exit-probe]", static_cast<char*>(nullptr));
     ::_exit(127);
   }
   int status = 0;

@@ -434,7 +434,7 @@ CUresult CUDAAPI cuInit(unsigned int) {
 }
 
 CUresult CUDAAPI cuDriverGetVersion(int* version) {
-  *version = 13000;
+  *version = static_cast<int>(env_number("FAKE_CUDA_DRIVER_VERSION", 13000));
   return CUDA_SUCCESS;
 }
 
