@@ -1,6 +1,9 @@
 #include "cuda_compiler.hpp"
 
+#include <dlfcn.h>
 #include <fmt/format.h>
+
+#include <algorithm>
 
 #include <filesystem>
 #include <memory>
@@ -13,11 +16,30 @@ namespace tinydev::cuda {
 
 namespace {
 
-// Where the toolkit's headers are (cuda_fp16.h, cuda_bf16.h), for kernels that include them.
+// Where the toolkit's headers are (cuda_fp16.h, cuda_bf16.h), for kernels that include them: first
+// those of the toolkit the loaded NVRTC belongs to (its library's folder's ../include, or
+// ../../include for the targets/<arch>/lib layout), so a machine with two toolkits compiles with
+// the headers of the NVRTC that compiles; then the usual places.
 std::vector<std::string> include_options() {
+  std::vector<std::filesystem::path> candidates;
+  Dl_info info{};
+  if (::dladdr(reinterpret_cast<const void*>(nvrtc().nvrtcVersion), &info) != 0 && info.dli_fname) {
+    std::error_code ec;
+    const std::filesystem::path library = std::filesystem::canonical(info.dli_fname, ec);
+    if (!ec) {
+      candidates.push_back(library.parent_path().parent_path() / "include");
+      candidates.push_back(library.parent_path().parent_path().parent_path().parent_path() / "include");
+    }
+  }
+  candidates.emplace_back("/usr/local/cuda/include");
+  candidates.emplace_back("/opt/cuda/include");
   std::vector<std::string> out;
-  for (const char* dir : {"/usr/local/cuda/include", "/opt/cuda/include"})
-    if (std::error_code ec; std::filesystem::is_directory(dir, ec)) out.push_back(fmt::format("-I{}", dir));
+  for (const std::filesystem::path& dir : candidates) {
+    std::error_code ec;
+    if (!std::filesystem::is_regular_file(dir / "cuda_fp16.h", ec)) continue;
+    const std::string option = fmt::format("-I{}", std::filesystem::canonical(dir, ec).string());
+    if (!ec && std::find(out.begin(), out.end(), option) == out.end()) out.push_back(option);
+  }
   return out;
 }
 

@@ -377,6 +377,24 @@ CudaAllocator::~CudaAllocator() {
   free_cache();
 }
 
+// Note [CUDA host-to-host copies]
+// The driver runs a cuMemcpyAsync between two host memories synchronously: it returns once the
+// stream reached the copy and ran it. Through the staging ring a copyin to a pinned host buffer
+// (host=true) would be one, blocking the caller on the device's queued work, so pinned buffers are
+// host-visible: copyin writes them with memcpy when the device is idle (queued work may read
+// them otherwise, and then the ring orders it), copyout reads them with memcpy after the queued
+// work, and as_buffer maps them. A copy queue's own host-to-host copy (two pinned buffers, or a
+// ring slot) stays a cuMemcpyAsync: it must not sit behind a wait on a signal the submitting
+// thread sets later (docs/cuda.md).
+void* CudaAllocator::pinned_tag() noexcept {
+  static char tag;
+  return &tag;
+}
+
+bool CudaAllocator::host_visible(const Allocation& allocation) const noexcept {
+  return allocation.backend == pinned_tag();
+}
+
 std::string CudaAllocator::describe() const { return fmt::format("{} allocator (device memory)", device_.name()); }
 
 Allocation CudaAllocator::alloc_impl(std::size_t size, const BufferOptions& options) {
@@ -388,7 +406,7 @@ Allocation CudaAllocator::alloc_impl(std::size_t size, const BufferOptions& opti
     void* p = nullptr;
     check(s.api.cuMemHostAlloc(&p, size, CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP),
           fmt::format("cuMemHostAlloc of {} bytes", size), s.name);
-    return Allocation{reinterpret_cast<std::uintptr_t>(p), size, nullptr};
+    return Allocation{reinterpret_cast<std::uintptr_t>(p), size, pinned_tag()};
   }
   CUdeviceptr p = 0;
   check(s.api.cuMemAlloc(&p, size), fmt::format("cuMemAlloc of {} bytes", size), s.name);

@@ -177,6 +177,12 @@ class CudaAllocator final : public HCQAllocator<CudaHCQDevice> {
   explicit CudaAllocator(CudaHCQDevice& device);
   ~CudaAllocator() override;
   std::string describe() const override;
+  // Pinned host buffers (host=true, tagged by their Allocation::backend): copies to and from them
+  // are the host's own memcpy where the device allows (idle for copyin, after the queued work for
+  // copyout), never a host-to-host cuMemcpyAsync, which the driver runs synchronously (Note [CUDA
+  // host-to-host copies] in cuda_device.cpp); as_buffer maps them.
+  bool host_visible(const Allocation& allocation) const noexcept override;
+  static void* pinned_tag() noexcept;  // the Allocation::backend of pinned host buffers
 
  protected:
   Allocation alloc_impl(std::size_t size, const BufferOptions& options) override;

@@ -53,6 +53,13 @@ class HCQAllocator : public LRUAllocator {
 
   // Forces every copyin/copyout through the staging ring (tests, benchmarks of the ring).
   void set_force_staging(bool force) noexcept { force_staging_ = force; }
+  // Whether the host reads and writes `allocation` directly (copies skip the ring, as_buffer
+  // maps it): all of the device's memory when it was made host_visible, else what the backend
+  // says (CUDA: pinned host buffers).
+  virtual bool host_visible(const Allocation& allocation) const noexcept {
+    (void)allocation;
+    return host_visible_;
+  }
   // Changes the ring's shape: waits for the device to finish what uses the old ring, frees it;
   // the new one is made at the next staged copy.
   void set_staging_shape(std::size_t batch_size, std::size_t batch_count) {
@@ -74,7 +81,7 @@ class HCQAllocator : public LRUAllocator {
     detail::check_fits(src.size(), dest, "copyin", describe());
     device_.check_usable();  // a faulted device would drop the bytes (docs/serving.md)
     std::lock_guard lock(device_.submit_mutex());
-    if (host_visible_ && !force_staging_ && device_.idle()) {
+    if (host_visible(dest) && !force_staging_ && device_.idle()) {
       direct_copy(dest.host_ptr<std::byte>(), src.data(), src.size(), "CPU", device_.name());
       return;
     }
@@ -101,7 +108,7 @@ class HCQAllocator : public LRUAllocator {
     std::lock_guard lock(device_.submit_mutex());
     // The device's default queue only: its streams' work is ordered through events, not here.
     device_.wait_submitted();
-    if (host_visible_ && !force_staging_) {
+    if (host_visible(src) && !force_staging_) {
       direct_copy(dest.data(), src.host_ptr<std::byte>(), dest.size(), device_.name(), "CPU");
       return;
     }
@@ -196,7 +203,7 @@ class HCQAllocator : public LRUAllocator {
     device_.check_usable();
     std::lock_guard lock(device_.submit_mutex());
     const std::string what = fmt::format(TINYDEV_FMT("DISK -> {}"), device_.name());
-    if (host_visible_ && !force_staging_ && device_.idle()) {
+    if (host_visible(dest) && !force_staging_ && device_.idle()) {
       const std::uint64_t start = device_.profiling() ? Profiler::now_ns() : 0;
       reader.read_into(dest.host_ptr<std::byte>(), src, size);
       if (start) Profiler::global().add({what, start, Profiler::now_ns(), device_.name(), "DMA"});
@@ -213,7 +220,7 @@ class HCQAllocator : public LRUAllocator {
     return detail::sub_allocation(base, size, offset, describe());
   }
   std::optional<std::span<std::byte>> as_buffer(Allocation allocation) override {
-    if (!host_visible_) return std::nullopt;
+    if (!host_visible(allocation)) return std::nullopt;
     device_.synchronize();  // zero-copy readers must see finished work
     return std::span<std::byte>(allocation.host_ptr<std::byte>(), allocation.size);
   }

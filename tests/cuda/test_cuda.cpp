@@ -455,7 +455,7 @@ void check_transfer(cuda::CudaHCQDevice& a, cuda::CudaHCQDevice& b) {
 
 }  // namespace
 
-TEST_CASE("cuda fake: launches with the wrong counts are InvalidArgument before the driver sees them - direct, queued and graph nodes", "[cuda][fake]") {
+TEST_CASE("cuda fake: launches with the wrong counts are InvalidArgument before the driver sees them - direct - queued and graph nodes", "[cuda][fake]") {
   auto* dev = fake_hcq();
   if (!dev) return;
   REQUIRE(dev->capabilities().checks_signatures);
@@ -581,7 +581,7 @@ TEST_CASE("cuda fake: NVRTC newer than the driver is a warning at the first open
   CHECK(WEXITSTATUS(status) == 0);
 }
 
-TEST_CASE("cuda fake: a process that used two GPUs while profiling exits cleanly, and so does its forked child", "[cuda][fake]") {
+TEST_CASE("cuda fake: a process that used two GPUs while profiling exits cleanly - and so does its forked child", "[cuda][fake]") {
   if (!fake_gpu()) return;
   TempDir dir;
   const std::string trace = dir.str() + "/exit.json";
@@ -751,7 +751,7 @@ TEST_CASE("cuda fake: a 100-kernel CUDA graph replays as eager and patches only 
   CHECK(first == second);
 }
 
-TEST_CASE("cuda fake: a graph whose copy moves to memory the driver cannot patch in is built again, and empty copies and kernels without parameters run", "[cuda][fake]") {
+TEST_CASE("cuda fake: a graph whose copy moves to memory the driver cannot patch in is built again - and empty copies and kernels without parameters run", "[cuda][fake]") {
   auto* dev = fake_hcq();
   if (!dev) return;
   auto add = dev->load_kernel("add", kernels::add_f32(SourceLanguage::CUDA));
@@ -792,7 +792,7 @@ TEST_CASE("cuda fake: a graph whose copy moves to memory the driver cannot patch
   CHECK(fake_calls("cuGraphInstantiateWithFlags") == built + 3);
 }
 
-TEST_CASE("cuda fake: graph nodes that write nothing another reads have no dependency, and inputs that alias build the dependencies that then hold", "[cuda][fake]") {
+TEST_CASE("cuda fake: graph nodes that write nothing another reads have no dependency - and inputs that alias build the dependencies that then hold", "[cuda][fake]") {
   auto* dev = fake_hcq();
   if (!dev) return;
   const auto edges = fake_function<long()>("fake_cuda_graph_edges");
@@ -858,6 +858,43 @@ TEST_CASE("cuda fake: graph nodes that write nothing another reads have no depen
   x.copyout(std::span<float>(moved));
   for (std::size_t i = 0; i < n; ++i) REQUIRE(sum[i] == xs[i] + ys[i]);
   CHECK(moved == ys);
+}
+
+TEST_CASE("cuda fake: pinned host buffers are copied by the host - not by a synchronous host-to-host cuMemcpyAsync - and as_buffer maps them", "[cuda][fake]") {
+  auto* dev = fake_hcq();
+  if (!dev) return;
+  auto add = dev->load_kernel("add", kernels::add_f32(SourceLanguage::CUDA));
+  const std::size_t n = (1u << 20) + 3;  // past one staging slot
+  const auto x = random_floats(n, fresh_seed());
+  Buffer pinned(dev->name(), n, dtypes::float32, BufferOptions{.host = true}), device(dev->name(), n, dtypes::float32);
+  pinned.allocate();
+  device.allocate();
+  auto& allocator = dynamic_cast<cuda::CudaAllocator&>(dev->allocator());
+  CHECK(allocator.host_visible(pinned.allocation()));
+  CHECK_FALSE(allocator.host_visible(device.allocation()));
+  dev->synchronize();
+  const long copies = fake_calls("cuMemcpyAsync");
+  pinned.copyin(std::span<const float>(x));  // idle device: memcpy
+  std::vector<float> back(n);
+  pinned.copyout(std::span<float>(back));
+  CHECK(back == x);
+  CHECK(fake_calls("cuMemcpyAsync") == copies);
+  const auto mapped = allocator.as_buffer(pinned.allocation());
+  REQUIRE(mapped.has_value());
+  CHECK(std::memcmp(mapped->data(), x.data(), n * 4) == 0);
+  CHECK_FALSE(allocator.as_buffer(device.allocation()).has_value());
+  // Queued work reads the pinned buffer: a copyin now goes through the ring, after that work.
+  const Allocation bufs[] = {device.allocation(), pinned.allocation(), pinned.allocation()};
+  const std::int32_t count[] = {static_cast<std::int32_t>(n)};
+  (*add)(bufs, count);
+  const auto y = random_floats(n, fresh_seed());
+  pinned.copyin(std::span<const float>(y));
+  CHECK(fake_calls("cuMemcpyAsync") > copies);
+  std::vector<float> sum(n);
+  device.copyout(std::span<float>(sum));
+  for (std::size_t i = 0; i < n; ++i) REQUIRE(sum[i] == x[i] + x[i]);  // the kernel saw x, not y
+  pinned.copyout(std::span<float>(back));
+  CHECK(back == y);
 }
 
 TEST_CASE("cuda fake: a graph launch the driver refuses is an Error and the device and the graph keep working", "[cuda][fake]") {
