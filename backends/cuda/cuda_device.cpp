@@ -452,6 +452,53 @@ CudaHCQDevice::CudaHCQDevice(const std::string& name, std::shared_ptr<DeviceStat
   live.devices.push_back(this);
 }
 
+CudaHCQDevice::CudaHCQDevice(CudaHCQDevice& parent, const std::string& lane_name)
+    : HCQCompiled(lane_name, std::make_shared<CudaAllocator>(*this), parent.shared_compiler(), parent.shared_runtime(),
+                  SourceLanguage::CUDA, shared_signal_pool(parent.state_)),
+      state_(open_lane_state(*parent.state_, lane_name)),
+      kernargs_(lane_name),
+      parent_(&parent) {
+  never_wrap_timeline();  // its events live on (Note [Timeline wrap])
+  clock_offset_ns_ = parent.clock_offset_ns_;  // the same GPU's clock
+  LiveDevices& live = live_devices();
+  std::lock_guard lock(live.mutex);
+  live.devices.push_back(this);
+}
+
+std::shared_ptr<Stream> CudaHCQDevice::create_stream(const StreamOptions& options) {
+  check_usable();
+  throw_if_failed();
+  if (parent_) return parent_->create_stream(options);
+  CudaHCQDevice* lane = nullptr;
+  {
+    std::lock_guard lock(lanes_mutex_);
+    if (!free_lanes_.empty()) {
+      lane = free_lanes_.back();
+      free_lanes_.pop_back();
+    } else {
+      if (lanes_.size() >= kMaxStreams)
+        throw InvalidArgument(fmt::format("{}: {} streams are alive already, the most one CUDA device runs at once: "
+                                          "drop streams you no longer use, or share them between requests",
+                                          name(), kMaxStreams));
+      lanes_.push_back(std::unique_ptr<CudaHCQDevice>(
+          new CudaHCQDevice(*this, fmt::format("{} stream {}", name(), streams_made_ + 1))));
+      ++streams_made_;
+      lane = lanes_.back().get();
+    }
+  }
+  try {
+    return make_cuda_stream(*this, *lane, options);
+  } catch (...) {
+    return_lane(lane);
+    throw;
+  }
+}
+
+void CudaHCQDevice::return_lane(CudaHCQDevice* lane) {
+  std::lock_guard lock(lanes_mutex_);
+  free_lanes_.push_back(lane);
+}
+
 CudaHCQDevice::~CudaHCQDevice() {
   LiveDevices& live = live_devices();
   std::lock_guard lock(live.mutex);
@@ -765,6 +812,7 @@ void CudaHCQDevice::prepare_transfer(CudaHCQDevice& dest) {
   static std::set<std::pair<int, int>> enabled, refused;
   const DeviceState& a = *state_;
   const DeviceState& b = dest.state();
+  if (a.ordinal == b.ordinal) return;  // one GPU (a stream's lane and its device): nothing to enable
   std::lock_guard lock(mutex);
   const std::pair<int, int> pair = std::minmax(a.ordinal, b.ordinal);
   if (!enabled.count(pair) && !refused.count(pair)) {
@@ -817,7 +865,8 @@ DeviceCapabilities CudaHCQDevice::capabilities() const {
                             .runs_kernels = true,
                             .checks_signatures = state_->api.cuFuncGetParamInfo != nullptr,
                             .native_graphs = true,
-                            .hcq = true};
+                            .hcq = true,
+                            .streams = true};
 }
 
 namespace {
@@ -973,6 +1022,36 @@ std::shared_ptr<DeviceState> open_state(const std::string& name) {
 }
 
 }  // namespace
+
+// A stream's lane (Note [CUDA streams]): the parent's GPU and context (retained once more, so
+// release at exit stays balanced), its timestamp kernel, and two non-blocking streams of its own.
+std::shared_ptr<DeviceState> open_lane_state(const DeviceState& parent, const std::string& name) {
+  const Driver& api = parent.api;
+  auto state = std::make_shared<DeviceState>(api, name);
+  state->ordinal = parent.ordinal;
+  state->device = parent.device;
+  state->major = parent.major;
+  state->minor = parent.minor;
+  state->memops = parent.memops;
+  state->timestamp = parent.timestamp;  // the parent's module, which lives as long as the process
+  check(api.cuDevicePrimaryCtxRetain(&state->context, state->device), "cuDevicePrimaryCtxRetain", name);
+  try {
+    state->make_current();
+    check(api.cuStreamCreate(&state->compute, CU_STREAM_NON_BLOCKING), "cuStreamCreate", name);
+    check(api.cuStreamCreate(&state->copy, CU_STREAM_NON_BLOCKING), "cuStreamCreate", name);
+    check(api.cuEventCreate(&state->start, CU_EVENT_DEFAULT), "cuEventCreate", name);
+    check(api.cuEventCreate(&state->end, CU_EVENT_DEFAULT), "cuEventCreate", name);
+  } catch (...) {
+    if (state->end) api.cuEventDestroy(state->end);
+    if (state->start) api.cuEventDestroy(state->start);
+    if (state->copy) api.cuStreamDestroy(state->copy);
+    if (state->compute) api.cuStreamDestroy(state->compute);
+    api.cuDevicePrimaryCtxRelease(state->device);
+    throw;
+  }
+  return state;
+}
+
 }  // namespace cuda
 
 // The GPUs the driver sees (CUDA_VISIBLE_DEVICES applied), for Device.available(): 0 without a

@@ -52,10 +52,11 @@ class CudaGraph final : public Graph {
       const auto* k = std::get_if<GraphKernel>(&nodes_[i]);
       if (!k) continue;
       const auto* program = dynamic_cast<const CudaProgram*>(k->program.get());
-      if (!program || program->device() != device.name())
+      const std::string& owner = device.programs_device().name();  // a stream's lane runs its device's
+      if (!program || program->device() != owner)
         throw InvalidArgument(fmt::format("graph node {}: kernel '{}' was not loaded by {}'s runtime: load it "
                                           "with Device[\"{}\"].load_kernel",
-                                          i, k->program->name(), device.name(), device.name()));
+                                          i, k->program->name(), owner, owner));
       const Dim3& g = k->launch.global;
       const Dim3& l = k->launch.local;
       if (grid_size(g) == 0 || grid_size(l) == 0)
@@ -64,6 +65,8 @@ class CudaGraph final : public Graph {
                                           i, k->program->name(), g[0], g[1], g[2], l[0], l[1], l[2]));
     }
   }
+
+  const CudaHCQDevice& device() const noexcept { return device_; }
 
   ~CudaGraph() override {
     const DeviceState& s = device_.state();
@@ -404,6 +407,11 @@ class CudaGraph final : public Graph {
 };
 
 }  // namespace
+
+bool is_cuda_graph_of(const Graph& graph, const CudaHCQDevice& device) noexcept {
+  const auto* cuda = dynamic_cast<const CudaGraph*>(&graph);
+  return cuda && &cuda->device() == &device;
+}
 
 std::unique_ptr<Graph> CudaHCQDevice::create_graph(std::vector<GraphNode> nodes) {
   return std::make_unique<CudaGraph>(*this, std::move(nodes));

@@ -32,12 +32,14 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <span>
 #include <string>
 #include <string_view>
 
 #include "tinydev/hcq.hpp"
+#include "tinydev/stream.hpp"
 #include "tinydev/export.hpp"
 
 TINYDEV_API_BEGIN
@@ -192,7 +194,18 @@ class CudaAllocator final : public HCQAllocator<CudaHCQDevice> {
 class CudaHCQDevice final : public HCQCompiled<CudaComputeQueue, CudaCopyQueue> {
  public:
   CudaHCQDevice(const std::string& name, std::shared_ptr<DeviceState> state);
+  // A stream's lane (Note [CUDA streams] in cuda_stream.cpp): streams, timeline, staging ring and
+  // kernel arguments of its own; the parent's context, compiler, runtime, programs and signals.
+  CudaHCQDevice(CudaHCQDevice& parent, const std::string& lane_name);
   ~CudaHCQDevice() override;
+
+  // Streams run on lanes, made on first use and reused (at most kMaxStreams alive at once).
+  std::shared_ptr<Stream> create_stream(const StreamOptions& options = {}) override;
+  static constexpr std::size_t kMaxStreams = 64;
+  // Takes back a lane whose stream is gone and whose work finished.
+  void return_lane(CudaHCQDevice* lane);
+  // The device whose programs this device's queues run: itself, or a lane's parent.
+  const CudaHCQDevice& programs_device() const noexcept { return parent_ ? *parent_ : *this; }
 
   // Every CUDA device's signals: pinned, device-mapped host memory all of them reach.
   bool can_reach(const SignalPool& pool) const noexcept override;
@@ -229,6 +242,10 @@ class CudaHCQDevice final : public HCQCompiled<CudaComputeQueue, CudaCopyQueue> 
   DeviceState& state() const noexcept { return *state_; }
   // Throws the Error of a sticky failure seen earlier (Note [CUDA failures]); nothing otherwise.
   void throw_if_failed() const;
+  // Note [CUDA recovery]: after a sticky driver error the context is unusable and the driver
+  // offers no way back short of destroying it: recover() refuses then; other faults (a poisoned
+  // signal this device waited for) recover as on the CPU.
+  std::string recover(std::chrono::milliseconds timeout = std::chrono::seconds(30)) override;
 
  protected:
   void on_timeline_wrapped() override;
@@ -237,10 +254,6 @@ class CudaHCQDevice final : public HCQCompiled<CudaComputeQueue, CudaCopyQueue> 
 
  private:
   void fail(const std::string& reason) const;
-  // Note [CUDA recovery]: after a sticky driver error the context is unusable and the driver
-  // offers no way back short of destroying it: recover() refuses then; other faults (a poisoned
-  // signal this device waited for) recover as on the CPU.
-  std::string recover(std::chrono::milliseconds timeout = std::chrono::seconds(30)) override;
   std::string recovery_hint() const override;
   // Both streams finished what they hold (recover() drains them first).
   bool queues_idle() const override;
@@ -251,6 +264,11 @@ class CudaHCQDevice final : public HCQCompiled<CudaComputeQueue, CudaCopyQueue> 
   void drop_span(std::optional<ProfileRecord>& span);
   std::shared_ptr<DeviceState> state_;
   KernargsPages kernargs_;
+  CudaHCQDevice* parent_ = nullptr;  // a lane's device
+  std::mutex lanes_mutex_;
+  std::vector<std::unique_ptr<CudaHCQDevice>> lanes_;  // never destroyed: events point at their timelines
+  std::vector<CudaHCQDevice*> free_lanes_;
+  std::uint64_t streams_made_ = 0;
   // The compute stream's order covers the timeline's last value (it was signalled or waited for
   // there): direct calls need no wait before them.
   bool last_signal_on_compute_ = true;
@@ -260,6 +278,11 @@ class CudaHCQDevice final : public HCQCompiled<CudaComputeQueue, CudaCopyQueue> 
   std::int64_t clock_offset_ns_ = 0;    // host ns - %globaltimer ns, measured at open
   mutable std::atomic<bool> context_failed_{false};  // a sticky driver error happened (Note [CUDA recovery])
 };
+
+// A stream of `device` running on `lane` (Note [CUDA streams]; cuda_stream.cpp).
+std::shared_ptr<Stream> make_cuda_stream(CudaHCQDevice& device, CudaHCQDevice& lane, const StreamOptions& options);
+// Whether `graph` is a native graph `device`'s create_graph made (cuda_graph.cpp).
+bool is_cuda_graph_of(const Graph& graph, const CudaHCQDevice& device) noexcept;
 
 }  // namespace tinydev::cuda
 

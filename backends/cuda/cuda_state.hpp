@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <cstddef>
+#include <memory>
 #include <string>
 
 #include "cuda_api.hpp"
@@ -37,6 +38,10 @@ struct DeviceState {
     check(api.cuCtxSetCurrent(context), "cuCtxSetCurrent", name);
   }
 };
+
+// A stream's lane of `parent`'s GPU (Note [CUDA streams] in cuda_stream.cpp): the same context,
+// retained once more, and streams and events of its own.
+std::shared_ptr<DeviceState> open_lane_state(const DeviceState& parent, const std::string& name);
 
 // Errors after which the context is unusable (the driver returns them from every later call).
 inline bool sticky(CUresult r) {

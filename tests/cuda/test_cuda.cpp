@@ -5,6 +5,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstring>
 #include <fstream>
 #include <iterator>
@@ -534,6 +535,18 @@ TEST_CASE("cuda fake: exit probe", "[.][probe][cuda-exit-probe]") {
     const std::int32_t vals[] = {static_cast<std::int32_t>(n)};
     for (int i = 0; i < 50; ++i) (*add)(bufs, vals);  // direct calls, not waited for
   }
+  {
+    // A stream's lane, with work left on it at exit.
+    static std::shared_ptr<Stream> stream = a->create_stream();
+    auto add = a->load_kernel("add", kernels::add_f32(SourceLanguage::CUDA));
+    static Buffer in(a->name(), n, dtypes::float32), out(a->name(), n, dtypes::float32);
+    in.allocate();
+    out.allocate();
+    stream->copyin(in, std::as_bytes(std::span(x)));
+    const Buffer args[] = {out, in, in};
+    const std::int32_t vals[] = {static_cast<std::int32_t>(n)};
+    for (int i = 0; i < 20; ++i) stream->launch(add, args, vals);
+  }
   static Buffer moved_at_exit(b->name(), n, dtypes::float32);  // destroyed after the contexts are released
   moved_at_exit.allocate();
   Buffer src(a->name(), n, dtypes::float32);
@@ -895,6 +908,122 @@ TEST_CASE("cuda fake: pinned host buffers are copied by the host - not by a sync
   for (std::size_t i = 0; i < n; ++i) REQUIRE(sum[i] == x[i] + x[i]);  // the kernel saw x, not y
   pinned.copyout(std::span<float>(back));
   CHECK(back == y);
+}
+
+TEST_CASE("cuda fake: streams run requests on lanes of their own - events order them - graphs and transfers run on them", "[cuda][fake]") {
+  auto* dev = fake_hcq();
+  auto* other = fake_hcq("CUDA:1");
+  if (!dev || !other) return;
+  REQUIRE(dev->capabilities().streams);
+  auto add = dev->load_kernel("add", kernels::add_f32(SourceLanguage::CUDA));
+  const std::size_t n = 5000;
+  const std::int32_t count[] = {static_cast<std::int32_t>(n)};
+  const LaunchParams grid{.global = {20, 1, 1}, .local = {256, 1, 1}};
+  const auto buffer = [&] {
+    Buffer b(dev->name(), n, dtypes::float32);
+    b.allocate();
+    return b;
+  };
+  auto s1 = dev->create_stream(), s2 = dev->create_stream();
+  CHECK(s1->name() != s2->name());
+  CHECK_THAT(s1->name(), Catch::StartsWith("CUDA stream "));
+  CHECK(&s1->device() == dev);
+  // One request per stream: copyin, add, copyout.
+  for (auto* s : {s1.get(), s2.get()}) {
+    const auto x = random_floats(n, fresh_seed()), y = random_floats(n, fresh_seed());
+    Buffer a = buffer(), b = buffer(), o = buffer();
+    s->copyin(a, std::as_bytes(std::span(x)));
+    s->copyin(b, std::as_bytes(std::span(y)));
+    const Buffer args[] = {o, a, b};
+    s->launch(add, args, count, grid);
+    std::vector<float> got(n);
+    s->copyout(std::as_writable_bytes(std::span(got)), o).wait();
+    for (std::size_t i = 0; i < n; ++i) REQUIRE(got[i] == x[i] + y[i]);
+  }
+  // s2 waits for s1's event on the GPU: z = (x + x) + (x + x).
+  const auto x = random_floats(n, fresh_seed());
+  Buffer bx = buffer(), by = buffer(), bz = buffer();
+  s1->copyin(bx, std::as_bytes(std::span(x)));
+  const Buffer first[] = {by, bx, bx};
+  s1->launch(add, first, count, grid);
+  s2->wait(s1->record());
+  const Buffer second[] = {bz, by, by};
+  s2->launch(add, second, count, grid);
+  std::vector<float> z(n);
+  s2->copyout(std::as_writable_bytes(std::span(z)), bz).wait();
+  for (std::size_t i = 0; i < n; ++i) REQUIRE(z[i] == (x[i] + x[i]) + (x[i] + x[i]));
+  // A graph made by a stream replays on it (and only on it).
+  auto graph = s1->create_graph({GraphKernel{add, {GraphBuffer::in(0), GraphBuffer::in(1), GraphBuffer::in(1)},
+                                             {GraphValue::var(0)}, grid, {0}}});
+  const Buffer graph_inputs[] = {bz, bx};
+  s1->replay(*graph, graph_inputs, count);
+  CHECK_THROWS_WITH(s2->replay(*graph, graph_inputs, count), Catch::Contains("replays on the stream that made it"));
+  s1->copyout(std::as_writable_bytes(std::span(z)), bz).wait();
+  for (std::size_t i = 0; i < n; ++i) REQUIRE(z[i] == x[i] + x[i]);
+  // A transfer to the other GPU, ordered by its event.
+  Buffer far(other->name(), n, dtypes::float32);
+  far.allocate();
+  s1->transfer(far, bz).wait();
+  std::vector<float> moved(n);
+  far.copyout(std::span<float>(moved));
+  CHECK(moved == z);
+  // Bad input: counts, buffers of another device, unallocated buffers.
+  const Buffer two[] = {bz, bx};
+  CHECK_THROWS_WITH(s1->launch(add, two, count, grid), Catch::Contains("takes 3 buffers and 1 values, got 2 and 1"));
+  const Buffer foreign[] = {far, bx, bx};
+  CHECK_THROWS_WITH(s1->launch(add, foreign, count, grid), Catch::Contains("a stream of CUDA uses CUDA's buffers"));
+  Buffer unallocated(dev->name(), n, dtypes::float32);
+  CHECK_THROWS_WITH(s1->copyin(unallocated, std::as_bytes(std::span(x))), Catch::Contains("allocate it first"));
+  s1->synchronize();
+  s2->synchronize();
+}
+
+TEST_CASE("cuda fake: lanes are reused after their stream is dropped and 64 streams at once is the most", "[cuda][fake]") {
+  auto* dev = fake_hcq();
+  if (!dev) return;
+  for (int i = 0; i < 80; ++i) dev->create_stream();  // each dropped at once: its lane is reused
+  std::vector<std::shared_ptr<Stream>> alive;
+  for (std::size_t i = 0; i < cuda::CudaHCQDevice::kMaxStreams; ++i) alive.push_back(dev->create_stream());
+  CHECK_THROWS_WITH(dev->create_stream(), Catch::Contains("64 streams are alive already"));
+  alive.pop_back();
+  CHECK_NOTHROW(alive.push_back(dev->create_stream()));
+}
+
+TEST_CASE("cuda fake: 4 clients with a stream each make 200 requests each and every result is right", "[cuda][fake]") {
+  auto* dev = fake_hcq();
+  if (!dev) return;
+  auto add = dev->load_kernel("add", kernels::add_f32(SourceLanguage::CUDA));
+  std::atomic<int> wrong{0}, failed{0};
+  std::vector<std::thread> clients;
+  for (int c = 0; c < 4; ++c) {
+    clients.emplace_back([&, c] {
+      try {
+        auto stream = dev->create_stream();
+        const std::size_t n = 256 + 64 * static_cast<std::size_t>(c);
+        const std::int32_t count[] = {static_cast<std::int32_t>(n)};
+        Buffer a(dev->name(), n, dtypes::float32), b(dev->name(), n, dtypes::float32), o(dev->name(), n, dtypes::float32);
+        a.allocate();
+        b.allocate();
+        o.allocate();
+        std::vector<float> got(n);
+        for (int r = 0; r < 200; ++r) {
+          const auto x = random_floats(n, fresh_seed()), y = random_floats(n, fresh_seed());
+          stream->copyin(a, std::as_bytes(std::span(x)));
+          stream->copyin(b, std::as_bytes(std::span(y)));
+          const Buffer args[] = {o, a, b};
+          stream->launch(add, args, count, LaunchParams{.global = {2, 1, 1}, .local = {256, 1, 1}});
+          stream->copyout(std::as_writable_bytes(std::span(got)), o).wait();
+          for (std::size_t i = 0; i < n; ++i) wrong += got[i] != x[i] + y[i];
+        }
+      } catch (const std::exception& e) {
+        UNSCOPED_INFO(e.what());
+        ++failed;
+      }
+    });
+  }
+  for (auto& t : clients) t.join();
+  CHECK(failed == 0);
+  CHECK(wrong == 0);
 }
 
 TEST_CASE("cuda fake: a graph launch the driver refuses is an Error and the device and the graph keep working", "[cuda][fake]") {
