@@ -469,34 +469,15 @@ std::shared_ptr<Stream> CudaHCQDevice::create_stream(const StreamOptions& option
   check_usable();
   throw_if_failed();
   if (parent_) return parent_->create_stream(options);
-  CudaHCQDevice* lane = nullptr;
-  {
-    std::lock_guard lock(lanes_mutex_);
-    if (!free_lanes_.empty()) {
-      lane = free_lanes_.back();
-      free_lanes_.pop_back();
-    } else {
-      if (lanes_.size() >= kMaxStreams)
-        throw InvalidArgument(fmt::format("{}: {} streams are alive already, the most one CUDA device runs at once: "
-                                          "drop streams you no longer use, or share them between requests",
-                                          name(), kMaxStreams));
-      lanes_.push_back(std::unique_ptr<CudaHCQDevice>(
-          new CudaHCQDevice(*this, fmt::format("{} stream {}", name(), streams_made_ + 1))));
-      ++streams_made_;
-      lane = lanes_.back().get();
-    }
-  }
+  CudaHCQDevice* lane = lanes_.take(kMaxStreams, name(), [&](std::size_t number) {
+    return std::unique_ptr<CudaHCQDevice>(new CudaHCQDevice(*this, fmt::format("{} stream {}", name(), number)));
+  });
   try {
     return make_cuda_stream(*this, *lane, options);
   } catch (...) {
     return_lane(lane);
     throw;
   }
-}
-
-void CudaHCQDevice::return_lane(CudaHCQDevice* lane) {
-  std::lock_guard lock(lanes_mutex_);
-  free_lanes_.push_back(lane);
 }
 
 CudaHCQDevice::~CudaHCQDevice() {
@@ -849,6 +830,7 @@ void CudaHCQDevice::synchronize() {
   throw_if_failed();
   HCQCompiled::synchronize();
   throw_if_failed();
+  lanes_.synchronize_all();  // every stream's work ends, finished or failed
 }
 
 void CudaHCQDevice::on_timeline_wrapped() {
@@ -951,6 +933,34 @@ void release_at_exit() {
   }
 }
 
+// Retains the GPU's primary context and makes the state's two streams, its two timing events and,
+// with `load_timestamp`, the timestamp kernel; on a failure undoes what it made and throws.
+void retain_context_and_queues(DeviceState& state, bool load_timestamp) {
+  const Driver& api = state.api;
+  const std::string& name = state.name;
+  check(api.cuDevicePrimaryCtxRetain(&state.context, state.device), "cuDevicePrimaryCtxRetain", name);
+  try {
+    state.make_current();
+    check(api.cuStreamCreate(&state.compute, CU_STREAM_NON_BLOCKING), "cuStreamCreate", name);
+    check(api.cuStreamCreate(&state.copy, CU_STREAM_NON_BLOCKING), "cuStreamCreate", name);
+    check(api.cuEventCreate(&state.start, CU_EVENT_DEFAULT), "cuEventCreate", name);
+    check(api.cuEventCreate(&state.end, CU_EVENT_DEFAULT), "cuEventCreate", name);
+    if (load_timestamp) {
+      check(api.cuModuleLoadData(&state.timestamp_module, kTimestampPtx), "loading the timestamp kernel", name);
+      check(api.cuModuleGetFunction(&state.timestamp, state.timestamp_module, "tinydev_timestamp"),
+            "finding the timestamp kernel", name);
+    }
+  } catch (...) {
+    if (state.timestamp_module) api.cuModuleUnload(state.timestamp_module);
+    if (state.end) api.cuEventDestroy(state.end);
+    if (state.start) api.cuEventDestroy(state.start);
+    if (state.copy) api.cuStreamDestroy(state.copy);
+    if (state.compute) api.cuStreamDestroy(state.compute);
+    api.cuDevicePrimaryCtxRelease(state.device);
+    throw;
+  }
+}
+
 std::shared_ptr<DeviceState> open_state(const std::string& name) {
   const Driver& api = driver();  // DeviceUnavailable: no driver, too old, cuInit failed
   static const bool registered = [] {
@@ -999,25 +1009,7 @@ std::shared_ptr<DeviceState> open_state(const std::string& name) {
   state->memops = attribute(*state, CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS, "stream mem ops") != 0;
   if (!attribute(*state, CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING, "unified addressing"))
     throw DeviceUnavailable(fmt::format("{}: the GPU has no unified addressing, which tinydev's CUDA queues need", name));
-  check(api.cuDevicePrimaryCtxRetain(&state->context, state->device), "cuDevicePrimaryCtxRetain", name);
-  try {
-    state->make_current();
-    check(api.cuStreamCreate(&state->compute, CU_STREAM_NON_BLOCKING), "cuStreamCreate", name);
-    check(api.cuStreamCreate(&state->copy, CU_STREAM_NON_BLOCKING), "cuStreamCreate", name);
-    check(api.cuEventCreate(&state->start, CU_EVENT_DEFAULT), "cuEventCreate", name);
-    check(api.cuEventCreate(&state->end, CU_EVENT_DEFAULT), "cuEventCreate", name);
-    check(api.cuModuleLoadData(&state->timestamp_module, kTimestampPtx), "loading the timestamp kernel", name);
-    check(api.cuModuleGetFunction(&state->timestamp, state->timestamp_module, "tinydev_timestamp"),
-          "finding the timestamp kernel", name);
-  } catch (...) {
-    if (state->timestamp_module) api.cuModuleUnload(state->timestamp_module);
-    if (state->end) api.cuEventDestroy(state->end);
-    if (state->start) api.cuEventDestroy(state->start);
-    if (state->copy) api.cuStreamDestroy(state->copy);
-    if (state->compute) api.cuStreamDestroy(state->compute);
-    api.cuDevicePrimaryCtxRelease(state->device);
-    throw;
-  }
+  retain_context_and_queues(*state, /*load_timestamp=*/true);
   return state;
 }
 
@@ -1034,21 +1026,7 @@ std::shared_ptr<DeviceState> open_lane_state(const DeviceState& parent, const st
   state->minor = parent.minor;
   state->memops = parent.memops;
   state->timestamp = parent.timestamp;  // the parent's module, which lives as long as the process
-  check(api.cuDevicePrimaryCtxRetain(&state->context, state->device), "cuDevicePrimaryCtxRetain", name);
-  try {
-    state->make_current();
-    check(api.cuStreamCreate(&state->compute, CU_STREAM_NON_BLOCKING), "cuStreamCreate", name);
-    check(api.cuStreamCreate(&state->copy, CU_STREAM_NON_BLOCKING), "cuStreamCreate", name);
-    check(api.cuEventCreate(&state->start, CU_EVENT_DEFAULT), "cuEventCreate", name);
-    check(api.cuEventCreate(&state->end, CU_EVENT_DEFAULT), "cuEventCreate", name);
-  } catch (...) {
-    if (state->end) api.cuEventDestroy(state->end);
-    if (state->start) api.cuEventDestroy(state->start);
-    if (state->copy) api.cuStreamDestroy(state->copy);
-    if (state->compute) api.cuStreamDestroy(state->compute);
-    api.cuDevicePrimaryCtxRelease(state->device);
-    throw;
-  }
+  retain_context_and_queues(*state, /*load_timestamp=*/false);
   return state;
 }
 

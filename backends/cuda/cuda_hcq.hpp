@@ -39,7 +39,7 @@
 #include <string_view>
 
 #include "tinydev/hcq.hpp"
-#include "tinydev/stream.hpp"
+#include "tinydev/hcq_stream.hpp"
 #include "tinydev/export.hpp"
 
 TINYDEV_API_BEGIN
@@ -202,8 +202,10 @@ class CudaHCQDevice final : public HCQCompiled<CudaComputeQueue, CudaCopyQueue> 
   // Streams run on lanes, made on first use and reused (at most kMaxStreams alive at once).
   std::shared_ptr<Stream> create_stream(const StreamOptions& options = {}) override;
   static constexpr std::size_t kMaxStreams = 64;
-  // Takes back a lane whose stream is gone and whose work finished.
-  void return_lane(CudaHCQDevice* lane);
+  // Takes back a lane whose stream is gone and whose work finished (HCQLaneStream's destructor).
+  void return_lane(CudaHCQDevice* lane) { lanes_.give_back(lane); }
+  // The default queue, then every stream of this device (a stream's failure stays the stream's).
+  void synchronize() override;
   // The device whose programs this device's queues run: itself, or a lane's parent.
   const CudaHCQDevice& programs_device() const noexcept { return parent_ ? *parent_ : *this; }
 
@@ -232,7 +234,6 @@ class CudaHCQDevice final : public HCQCompiled<CudaComputeQueue, CudaCopyQueue> 
   Kernargs alloc_kernargs(std::uint32_t num_buffers, std::uint32_t num_values);
   std::shared_ptr<std::byte[]> allocate_kernargs_block(std::size_t bytes) const;
 
-  void synchronize() override;
   // Native CUDA graphs (Note [CUDA graph replay] in cuda_graph.cpp).
   bool supports_graph() const noexcept override { return true; }
   std::unique_ptr<Graph> create_graph(std::vector<GraphNode> nodes) override;
@@ -265,10 +266,7 @@ class CudaHCQDevice final : public HCQCompiled<CudaComputeQueue, CudaCopyQueue> 
   std::shared_ptr<DeviceState> state_;
   KernargsPages kernargs_;
   CudaHCQDevice* parent_ = nullptr;  // a lane's device
-  std::mutex lanes_mutex_;
-  std::vector<std::unique_ptr<CudaHCQDevice>> lanes_;  // never destroyed: events point at their timelines
-  std::vector<CudaHCQDevice*> free_lanes_;
-  std::uint64_t streams_made_ = 0;
+  StreamLanes<CudaHCQDevice> lanes_;
   // The compute stream's order covers the timeline's last value (it was signalled or waited for
   // there): direct calls need no wait before them.
   bool last_signal_on_compute_ = true;

@@ -17,54 +17,19 @@
 // held until the timeline passed it and let go by a later call on the caller's thread.
 #include <fmt/format.h>
 
-#include <deque>
-#include <mutex>
 
 #include "cuda_hcq.hpp"
-#include "tinydev/registry.hpp"
+#include "tinydev/hcq_stream.hpp"
 
 namespace tinydev::cuda {
 namespace {
 
-class CudaStream final : public Stream {
+class CudaStream final : public HCQLaneStream<CudaHCQDevice> {
  public:
   CudaStream(CudaHCQDevice& device, CudaHCQDevice& lane, const StreamOptions& options)
-      : device_(device), lane_(lane), name_(&lane.name()) {
+      : HCQLaneStream(device, lane) {
     (void)options;  // run_inline_when_idle: a GPU's work does not run on the caller
   }
-
-  ~CudaStream() override {
-    // The work reads buffers we hold: wait for it (bounded), then give the lane back. A lane whose
-    // work does not finish, or that cannot recover, is not reused.
-    bool reusable = lane_.opened_in_this_process();
-    if (reusable && lane_.fault().empty()) {
-      try {
-        synchronize(std::chrono::seconds(30));
-      } catch (const Timeout& e) {
-        log_message(LogLevel::warning, *name_,
-                    fmt::format("dropped while its work still runs ({}); its lane is not reused", e.what()));
-        reusable = false;
-      } catch (const std::exception&) {
-        // The work failed: recovered below.
-      }
-    }
-    if (reusable && !lane_.fault().empty()) {
-      try {
-        lane_.recover(std::chrono::seconds(5));
-      } catch (const std::exception&) {
-        reusable = false;  // a sticky CUDA error: the context is gone
-      }
-    }
-    if (!reusable) {
-      new std::deque<Held>(std::move(held_));  // the work may still read them: leaked, not freed under it
-      return;
-    }
-    held_.clear();
-    device_.return_lane(&lane_);
-  }
-
-  const std::string& name() const noexcept override { return *name_; }
-  Compiled& device() const noexcept override { return device_; }
 
   Event copyin(const Buffer& dest, std::span<const std::byte> src) override {
     check_buffer(dest, "copyin");
@@ -157,116 +122,6 @@ class CudaStream final : public Stream {
     return finish(inputs, nullptr);
   }
 
-  Event transfer(const Buffer& dest, const Buffer& src) override {
-    check_buffer(src, "transfer");
-    if (!dest.is_allocated())
-      throw InvalidArgument(fmt::format("{}: transfer into an unallocated buffer: allocate it first", *name_));
-    if (dest.nbytes() != src.nbytes())
-      throw InvalidArgument(fmt::format("{}: transfer of {} bytes into a buffer of {} bytes: the sizes must match",
-                                        *name_, src.nbytes(), dest.nbytes()));
-    auto* dest_device = dynamic_cast<CudaHCQDevice*>(&Device[dest.device()]);
-    if (!dest_device)
-      throw InvalidArgument(fmt::format("{}: transfer to {}: a CUDA stream transfers to CUDA devices only", *name_,
-                                        dest.device()));
-    std::lock_guard lock(lane_.submit_mutex());
-    prepare();
-    flush_waits();
-    // Ordered through the Event: the destination device's default queue is not tied to this stream.
-    HCQAllocator<CudaHCQDevice>::transfer(dest.allocation(), src.allocation(), src.nbytes(), lane_, *dest_device,
-                                          /*mark_dest=*/false);
-    const Buffer both[] = {dest, src};
-    return finish(both, nullptr);
-  }
-
-  void wait(const Event& event) override {
-    lane_.check_usable();  // a faulted stream takes no waits (recover() first)
-    if (event.query()) return;  // complete (or DeviceFault: the work it stands for failed)
-    if (!lane_.can_reach(*event.signal().pool())) {
-      event.wait();  // another backend's event: waited for here, on the host
-      return;
-    }
-    std::lock_guard lock(lane_.submit_mutex());
-    waits_.emplace_back(event.signal(), event.value());
-  }
-
-  Event record() override {
-    std::lock_guard lock(lane_.submit_mutex());
-    prepare();
-    flush_waits();
-    return Event(lane_.timeline_signal(), lane_.last_submitted_value(), name_);
-  }
-
-  void synchronize(std::chrono::milliseconds timeout) override {
-    std::lock_guard lock(lane_.submit_mutex());
-    lane_.check_usable();
-    flush_waits();
-    lane_.wait_submitted(timeout);
-    release_finished();
-  }
-
-  std::string fault() const override { return lane_.fault(); }
-  std::string recover(std::chrono::milliseconds timeout) override {
-    std::lock_guard lock(lane_.submit_mutex());
-    std::string was = lane_.recover(timeout);
-    if (!was.empty()) waits_.clear();  // they were part of what failed
-    release_finished();
-    return was;
-  }
-
- private:
-  struct Held {
-    std::uint64_t value;
-    std::vector<Buffer> buffers;
-    std::shared_ptr<Program> program;
-  };
-
-  void check_buffer(const Buffer& b, std::string_view what) const {
-    if (b.device() != device_.name())
-      throw InvalidArgument(fmt::format("{}: {} of a buffer on {}: a stream of {} uses {}'s buffers", *name_, what,
-                                        b.device(), device_.name(), device_.name()));
-    if (!b.is_allocated())
-      throw InvalidArgument(fmt::format("{}: {} of an unallocated buffer: allocate it first", *name_, what));
-  }
-  // Before an operation (lane's submit mutex held): usable, and what finished work held let go.
-  void prepare() {
-    lane_.check_usable();
-    lane_.throw_if_failed();
-    release_finished();
-  }
-  void release_finished() {
-    if (held_.empty()) return;
-    const std::uint64_t reached = lane_.timeline_signal().value();
-    while (!held_.empty() && held_.front().value <= reached) held_.pop_front();
-  }
-  // Event waits not yet part of a submission go in one of their own (before work that records its
-  // own queues: staged copies, graphs, transfers).
-  void flush_waits() {
-    if (waits_.empty()) return;
-    auto reservation = lane_.reserve_timeline_value();
-    const std::uint64_t value = reservation.value();
-    auto q = lane_.compute_queue();
-    q.wait(lane_.timeline_signal(), value - 1);
-    for (const auto& [signal, wanted] : waits_) q.wait(signal, wanted);
-    q.signal(lane_.timeline_signal(), value);
-    waits_.clear();
-    q.submit(lane_);
-    reservation.submitted();
-  }
-  // The event ending everything submitted so far (a graph replay's lazy timeline work is signalled
-  // here: Note [Lazy timeline signals]); what the work used is held until then.
-  Event finish(std::span<const Buffer> buffers, std::shared_ptr<Program> program) {
-    const std::uint64_t value = lane_.last_submitted_value();
-    if (lane_.timeline_signal().slot().value.load(std::memory_order_acquire) < value)
-      held_.push_back(Held{value, std::vector<Buffer>(buffers.begin(), buffers.end()), std::move(program)});
-    return Event(lane_.timeline_signal(), value, name_);
-  }
-
-  CudaHCQDevice& device_;
-  CudaHCQDevice& lane_;
-  const std::string* name_;  // the lane's: lives as long as the process
-  // The lane's submit mutex serializes this stream's operations and guards these two.
-  std::vector<std::pair<Signal, std::uint64_t>> waits_;  // events to wait for in the next submission
-  std::deque<Held> held_;
 };
 
 }  // namespace

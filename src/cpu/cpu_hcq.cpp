@@ -461,54 +461,21 @@ void CpuHCQDevice::synchronize() {
     std::lock_guard lock(retired.mutex);
     if (!retired.programs.empty()) reclaim_programs(retired);
   }
-  std::vector<CpuHCQDevice*> lanes;
-  {
-    std::lock_guard lock(lanes_mutex_);
-    for (const auto& lane : lanes_) lanes.push_back(lane.get());
-  }
-  // Every stream's work ends, finished or failed; a stream's failure is the stream's to report
-  // (Stream::fault), not the device's.
-  for (CpuHCQDevice* lane : lanes) {
-    if (!lane->fault().empty()) continue;
-    try {
-      lane->synchronize();
-    } catch (const Error&) {
-      if (lane->fault().empty()) throw;
-    }
-  }
+  lanes_.synchronize_all();  // every stream's work ends, finished or failed
 }
 
 std::shared_ptr<Stream> CpuHCQDevice::create_stream(const StreamOptions& options) {
   check_usable();
   if (parent_) return parent_->create_stream(options);
-  CpuHCQDevice* lane = nullptr;
-  {
-    std::lock_guard lock(lanes_mutex_);
-    if (!free_lanes_.empty()) {
-      lane = free_lanes_.back();
-      free_lanes_.pop_back();
-    } else {
-      if (lanes_.size() >= kMaxStreams)
-        throw InvalidArgument(fmt::format("{}: {} streams are alive already, the most one CPU device runs at once "
-                                          "(each has two worker threads): drop streams you no longer use, or share "
-                                          "them between requests",
-                                          name(), kMaxStreams));
-      lanes_.push_back(std::unique_ptr<CpuHCQDevice>(
-          new CpuHCQDevice(*this, fmt::format("{} stream {}", name(), ++streams_made_))));
-      lane = lanes_.back().get();
-    }
-  }
+  CpuHCQDevice* lane = lanes_.take(kMaxStreams, name(), [&](std::size_t number) {
+    return std::unique_ptr<CpuHCQDevice>(new CpuHCQDevice(*this, fmt::format("{} stream {}", name(), number)));
+  });
   try {
     return make_cpu_stream(*this, *lane, options);
   } catch (...) {
     return_lane(lane);
     throw;
   }
-}
-
-void CpuHCQDevice::return_lane(CpuHCQDevice* lane) {
-  std::lock_guard lock(lanes_mutex_);
-  free_lanes_.push_back(lane);
 }
 
 // Note [Inline replay]

@@ -10,6 +10,7 @@
 #include "tinydev/counters.hpp"
 #include "tinydev/profile.hpp"
 #include "tinydev/hcq_graph.hpp"
+#include "tinydev/hcq_stream.hpp"
 #include "tinydev/registry.hpp"
 
 namespace tinydev::cpu {
@@ -26,46 +27,13 @@ namespace tinydev::cpu {
 // uses (Buffers, the Program) is held with the value that ends it and let go by a later call on
 // the caller's thread once the timeline passed that value: never on a worker, where a Buffer's
 // free could wait for the worker itself.
-class CpuStream final : public Stream {
+class CpuStream final : public HCQLaneStream<CpuHCQDevice> {
  public:
   CpuStream(CpuHCQDevice& device, CpuHCQDevice& lane, const StreamOptions& options)
-      : device_(device), lane_(lane), options_(options), name_(&lane.name()) {
+      : HCQLaneStream(device, lane), options_(options) {
     // Without inline runs, a copyin goes through the lane's staging ring even when the lane is idle.
     lane_.cpu_allocator().set_force_staging(!options_.run_inline_when_idle);
   }
-
-  ~CpuStream() override {
-    // Our work reads buffers we hold: wait for it (bounded), then give the lane back for reuse. A
-    // lane whose work does not finish, or that cannot recover from a fault, is not reused.
-    bool reusable = lane_.opened_in_this_process();
-    if (reusable && lane_.fault().empty()) {
-      try {
-        synchronize(std::chrono::seconds(30));
-      } catch (const Timeout& e) {
-        log_message(LogLevel::warning, *name_, fmt::format("dropped while its work still runs ({}); its lane is not reused", e.what()));
-        reusable = false;
-      } catch (const std::exception&) {
-        // The work failed: recovered below.
-      }
-    }
-    if (reusable && !lane_.fault().empty()) {
-      try {
-        lane_.recover(std::chrono::seconds(5));
-      } catch (const std::exception&) {
-        reusable = false;
-      }
-    }
-    if (!reusable) {
-      // The work may still read what it holds: leak it rather than free it under the work.
-      new std::deque<Held>(std::move(held_));
-      return;
-    }
-    held_.clear();
-    device_.return_lane(&lane_);
-  }
-
-  const std::string& name() const noexcept override { return *name_; }
-  Compiled& device() const noexcept override { return device_; }
 
   Event copyin(const Buffer& dest, std::span<const std::byte> src) override {
     check_buffer(dest, "copyin");
@@ -185,100 +153,7 @@ class CpuStream final : public Stream {
     return finish(inputs, nullptr);
   }
 
-  Event transfer(const Buffer& dest, const Buffer& src) override {
-    check_buffer(src, "transfer");
-    if (!dest.is_allocated())
-      throw InvalidArgument(fmt::format("{}: transfer into an unallocated buffer: allocate it first", *name_));
-    if (dest.nbytes() != src.nbytes())
-      throw InvalidArgument(fmt::format("{}: transfer of {} bytes into a buffer of {} bytes: the sizes must match",
-                                        *name_, src.nbytes(), dest.nbytes()));
-    auto* dest_device = dynamic_cast<CpuHCQDevice*>(&Device[dest.device()]);
-    if (!dest_device)
-      throw InvalidArgument(fmt::format("{}: transfer to {}: a CPU stream transfers to CPU devices only", *name_,
-                                        dest.device()));
-    std::lock_guard lock(lane_.submit_mutex());
-    prepare();
-    flush_waits();
-    // Ordered through the Event: the destination device's default queue is not tied to this stream.
-    HCQAllocator<CpuHCQDevice>::transfer(dest.allocation(), src.allocation(), src.nbytes(), lane_, *dest_device,
-                                         /*mark_dest=*/false);
-    const Buffer both[] = {dest, src};
-    return finish(both, nullptr);
-  }
-
-  void wait(const Event& event) override {
-    lane_.check_usable();  // a faulted stream takes no waits (recover() first)
-    if (event.query()) return;  // complete (or DeviceFault: the work it stands for failed)
-    if (!lane_.can_reach(*event.signal().pool())) {
-      event.wait();  // another backend's event: waited for here, on the host
-      return;
-    }
-    std::lock_guard lock(lane_.submit_mutex());
-    waits_.emplace_back(event.signal(), event.value());
-  }
-
-  Event record() override {
-    std::lock_guard lock(lane_.submit_mutex());
-    prepare();
-    flush_waits();
-    return Event(lane_.timeline_signal(), lane_.last_submitted_value(), name_);
-  }
-
-  void synchronize(std::chrono::milliseconds timeout) override {
-    std::lock_guard lock(lane_.submit_mutex());
-    lane_.check_usable();
-    flush_waits();
-    lane_.wait_submitted(timeout);
-    release_finished();
-  }
-
-  std::string fault() const override { return lane_.fault(); }
-  std::string recover(std::chrono::milliseconds timeout) override {
-    std::lock_guard lock(lane_.submit_mutex());
-    std::string was = lane_.recover(timeout);
-    if (!was.empty()) waits_.clear();  // they were part of what failed; a healthy stream keeps its waits
-    release_finished();
-    return was;
-  }
-
  private:
-  struct Held {
-    std::uint64_t value;
-    std::vector<Buffer> buffers;
-    std::shared_ptr<Program> program;
-  };
-
-  void check_buffer(const Buffer& b, std::string_view what) const {
-    if (b.device() != device_.name())
-      throw InvalidArgument(fmt::format("{}: {} of a buffer on {}: a stream of {} uses {}'s buffers", *name_, what,
-                                        b.device(), device_.name(), device_.name()));
-    if (!b.is_allocated())
-      throw InvalidArgument(fmt::format("{}: {} of an unallocated buffer: allocate it first", *name_, what));
-  }
-  // Before an operation (stream mutex held): usable, and what finished work held let go.
-  void prepare() {
-    lane_.check_usable();
-    release_finished();
-  }
-  void release_finished() {
-    if (held_.empty()) return;
-    const std::uint64_t reached = lane_.timeline_signal().value();
-    while (!held_.empty() && held_.front().value <= reached) held_.pop_front();
-  }
-  // Event waits not yet part of a submission go in one of their own (before work that records its
-  // own queues: graphs, staged copies, transfers).
-  void flush_waits() {
-    if (waits_.empty()) return;
-    auto reservation = lane_.reserve_timeline_value();
-    const std::uint64_t value = reservation.value();
-    CpuComputeQueue q;
-    q.wait(lane_.timeline_signal(), value - 1);
-    for (const auto& [signal, wanted] : waits_) q.wait(signal, wanted);
-    q.signal(lane_.timeline_signal(), value);
-    lane_.compute_worker().submit(q.words());
-    reservation.submitted();
-    waits_.clear();
-  }
   // Whether the work of timeline value `value` (reserved, its lock held) runs on the caller with no
   // queue at all: inline runs asked for, every event waited for complete (those are dropped from
   // the waits), and everything before it finished. Otherwise it goes to the lane's workers.
@@ -295,22 +170,7 @@ class CpuStream final : public Stream {
     reservation.submitted();
     return Event(lane_.timeline_signal(), value, name_);
   }
-  // The event ending everything submitted so far; what it used is held until then. (A lane never
-  // has lazy work: its last submitted value is timeline_value() - 1.)
-  Event finish(std::span<const Buffer> buffers, std::shared_ptr<Program> program) {
-    const std::uint64_t value = lane_.timeline_value() - 1;
-    if (lane_.timeline_signal().slot().value.load(std::memory_order_acquire) < value)
-      held_.push_back(Held{value, std::vector<Buffer>(buffers.begin(), buffers.end()), std::move(program)});
-    return Event(lane_.timeline_signal(), value, name_);
-  }
-
-  CpuHCQDevice& device_;
-  CpuHCQDevice& lane_;
   StreamOptions options_;
-  const std::string* name_;  // the lane's: lives as long as the process
-  // The lane's submit mutex serializes this stream's operations and guards these two.
-  std::vector<std::pair<Signal, std::uint64_t>> waits_;  // events to wait for in the next submission
-  std::deque<Held> held_;
 };
 
 std::shared_ptr<Stream> make_cpu_stream(CpuHCQDevice& device, CpuHCQDevice& lane, const StreamOptions& options) {

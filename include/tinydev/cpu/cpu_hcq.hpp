@@ -27,6 +27,7 @@
 
 #include "cpu_program.hpp"
 #include "tinydev/hcq.hpp"
+#include "tinydev/hcq_stream.hpp"
 #include "tinydev/export.hpp"
 
 TINYDEV_API_BEGIN
@@ -204,6 +205,8 @@ class CpuHCQDevice : public HCQCompiled<CpuComputeQueue, CpuCopyQueue>, public C
   // and handed to the next create_stream; at most kMaxStreams streams of one device live at once.
   static constexpr std::size_t kMaxStreams = 64;
   std::shared_ptr<Stream> create_stream(const StreamOptions& options = {}) override;
+  // Takes back a lane whose stream is gone and whose work finished (HCQLaneStream's destructor).
+  void return_lane(CpuHCQDevice* lane) { lanes_.give_back(lane); }
   // The device whose programs this device's queues run: itself, or for a lane its stream's device.
   const std::string& kernels_device() const noexcept { return parent_ ? parent_->name() : name(); }
   // The default queue, then every stream of this device.
@@ -251,17 +254,12 @@ class CpuHCQDevice : public HCQCompiled<CpuComputeQueue, CpuCopyQueue>, public C
   friend class CpuStream;
   // A stream's lane (Note [CPU streams]).
   CpuHCQDevice(CpuHCQDevice& parent, std::string lane_name);
-  // Hands a lane back (its stream is gone and its work finished).
-  void return_lane(CpuHCQDevice* lane);
 
   CpuQueueWorker compute_worker_;
   CpuQueueWorker copy_worker_;
   KernargsPages kernargs_;
   CpuHCQDevice* parent_ = nullptr;
-  std::mutex lanes_mutex_;
-  std::vector<std::unique_ptr<CpuHCQDevice>> lanes_;  // never destroyed: events point at their timelines
-  std::vector<CpuHCQDevice*> free_lanes_;
-  std::size_t streams_made_ = 0;
+  StreamLanes<CpuHCQDevice> lanes_;
 };
 
 }  // namespace tinydev::cpu

@@ -1,0 +1,251 @@
+// tinydev/hcq_stream.hpp: what the streams of HCQ backends share (docs/serving.md). A backend's
+// stream runs on a lane, a device of the backend's own type made for streams (Note [CPU streams],
+// Note [CUDA streams]); StreamLanes keeps a device's lanes, and HCQLaneStream is the part of a
+// Stream that is the same for every backend: the lane's bookkeeping, event waits, transfers,
+// record, synchronize, faults, and what queued work holds. The backend adds copyin, copyout,
+// launch, create_graph and replay, each one submission on the lane (flush_waits, finish).
+//
+// Requirements on `Lane` (an HCQCompiled): reserve_timeline_value, last_submitted_value,
+// wait_submitted, compute_queue (whose submit takes the lane), can_reach, check_usable, fault,
+// recover, opened_in_this_process; the parent device has return_lane(Lane*).
+//
+// Ownership: lanes live as long as the process (events keep pointing at their timelines); a
+// stream holds the Buffers and Programs its queued work uses until the work finished. Thread
+// safety: StreamLanes is internally synchronized; an HCQLaneStream's operations serialize on the
+// lane's submit mutex.
+#pragma once
+
+#include <fmt/core.h>
+
+#include <chrono>
+#include <cstddef>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "tinydev/error.hpp"
+#include "tinydev/export.hpp"
+#include "tinydev/hcq_allocator.hpp"
+#include "tinydev/log.hpp"
+#include "tinydev/registry.hpp"
+#include "tinydev/stream.hpp"
+
+TINYDEV_API_BEGIN
+
+namespace tinydev {
+
+// A device's stream lanes: made on first use, kept when their stream is dropped and handed to the
+// next one; at most `max` alive at once.
+template <class Lane>
+class StreamLanes {
+ public:
+  // A free lane, or one `make(number)` makes (numbered from 1). InvalidArgument naming `device`
+  // when `max` lanes are taken.
+  template <class Make>
+  Lane* take(std::size_t max, std::string_view device, Make&& make) {
+    std::lock_guard lock(mutex_);
+    if (!free_.empty()) {
+      Lane* lane = free_.back();
+      free_.pop_back();
+      return lane;
+    }
+    if (lanes_.size() >= max)
+      throw InvalidArgument(fmt::format(TINYDEV_FMT("{}: {} streams are alive already, the most one device runs at "
+                                                    "once: drop streams you no longer use, or share them between "
+                                                    "requests"),
+                                        device, max));
+    lanes_.push_back(make(made_ + 1));
+    ++made_;
+    return lanes_.back().get();
+  }
+  void give_back(Lane* lane) {
+    std::lock_guard lock(mutex_);
+    free_.push_back(lane);
+  }
+  // Waits for every stream's work; a stream's failure is the stream's to report (Stream::fault),
+  // not the device's, so a faulted lane is skipped.
+  void synchronize_all() {
+    std::vector<Lane*> lanes;
+    {
+      std::lock_guard lock(mutex_);
+      for (const auto& lane : lanes_) lanes.push_back(lane.get());
+    }
+    for (Lane* lane : lanes) {
+      if (!lane->fault().empty()) continue;
+      try {
+        lane->synchronize();
+      } catch (const Error&) {
+        if (lane->fault().empty()) throw;
+      }
+    }
+  }
+
+ private:
+  std::mutex mutex_;
+  std::vector<std::unique_ptr<Lane>> lanes_;  // never destroyed: events point at their timelines
+  std::vector<Lane*> free_;
+  std::size_t made_ = 0;
+};
+
+template <class Lane>
+class HCQLaneStream : public Stream {
+ public:
+  HCQLaneStream(Lane& device, Lane& lane) : device_(device), lane_(lane), name_(&lane.name()) {}
+
+  // Waits (at most 30 s) for the work, which reads buffers held here, then gives the lane back. A
+  // lane whose work does not finish, or that cannot recover from a fault, is not reused, and what
+  // its work holds is leaked rather than freed under it.
+  ~HCQLaneStream() override {
+    bool reusable = lane_.opened_in_this_process();
+    if (reusable && lane_.fault().empty()) {
+      try {
+        synchronize(std::chrono::seconds(30));
+      } catch (const Timeout& e) {
+        log_message(LogLevel::warning, *name_,
+                    fmt::format(TINYDEV_FMT("dropped while its work still runs ({}); its lane is not reused"),
+                                e.what()));
+        reusable = false;
+      } catch (const std::exception&) {
+        // The work failed: recovered below.
+      }
+    }
+    if (reusable && !lane_.fault().empty()) {
+      try {
+        lane_.recover(std::chrono::seconds(5));
+      } catch (const std::exception&) {
+        reusable = false;
+      }
+    }
+    if (!reusable) {
+      new std::deque<Held>(std::move(held_));
+      return;
+    }
+    held_.clear();
+    device_.return_lane(&lane_);
+  }
+
+  const std::string& name() const noexcept override { return *name_; }
+  Compiled& device() const noexcept override { return device_; }
+
+  Event transfer(const Buffer& dest, const Buffer& src) override {
+    check_buffer(src, "transfer");
+    if (!dest.is_allocated())
+      throw InvalidArgument(fmt::format(TINYDEV_FMT("{}: transfer into an unallocated buffer: allocate it first"),
+                                        *name_));
+    if (dest.nbytes() != src.nbytes())
+      throw InvalidArgument(fmt::format(TINYDEV_FMT("{}: transfer of {} bytes into a buffer of {} bytes: the sizes "
+                                                    "must match"),
+                                        *name_, src.nbytes(), dest.nbytes()));
+    auto* dest_device = dynamic_cast<Lane*>(&Device[dest.device()]);
+    if (!dest_device)
+      throw InvalidArgument(fmt::format(TINYDEV_FMT("{}: transfer to {}: a stream transfers to devices of its own "
+                                                    "backend only"),
+                                        *name_, dest.device()));
+    std::lock_guard lock(lane_.submit_mutex());
+    prepare();
+    flush_waits();
+    // Ordered through the Event: the destination device's default queue is not tied to this stream.
+    HCQAllocator<Lane>::transfer(dest.allocation(), src.allocation(), src.nbytes(), lane_, *dest_device,
+                                 /*mark_dest=*/false);
+    const Buffer both[] = {dest, src};
+    return finish(both, nullptr);
+  }
+
+  void wait(const Event& event) override {
+    lane_.check_usable();  // a faulted stream takes no waits (recover() first)
+    if (event.query()) return;  // complete (or DeviceFault: the work it stands for failed)
+    if (!lane_.can_reach(*event.signal().pool())) {
+      event.wait();  // another backend's event: waited for here, on the host
+      return;
+    }
+    std::lock_guard lock(lane_.submit_mutex());
+    waits_.emplace_back(event.signal(), event.value());
+  }
+
+  Event record() override {
+    std::lock_guard lock(lane_.submit_mutex());
+    prepare();
+    flush_waits();
+    return Event(lane_.timeline_signal(), lane_.last_submitted_value(), name_);
+  }
+
+  void synchronize(std::chrono::milliseconds timeout) override {
+    std::lock_guard lock(lane_.submit_mutex());
+    lane_.check_usable();
+    flush_waits();
+    lane_.wait_submitted(timeout);
+    release_finished();
+  }
+
+  std::string fault() const override { return lane_.fault(); }
+  std::string recover(std::chrono::milliseconds timeout) override {
+    std::lock_guard lock(lane_.submit_mutex());
+    std::string was = lane_.recover(timeout);
+    if (!was.empty()) waits_.clear();  // they were part of what failed; a healthy stream keeps its waits
+    release_finished();
+    return was;
+  }
+
+ protected:
+  struct Held {
+    std::uint64_t value;
+    std::vector<Buffer> buffers;
+    std::shared_ptr<Program> program;
+  };
+
+  void check_buffer(const Buffer& b, std::string_view what) const {
+    if (b.device() != device_.name())
+      throw InvalidArgument(fmt::format(TINYDEV_FMT("{}: {} of a buffer on {}: a stream of {} uses {}'s buffers"),
+                                        *name_, what, b.device(), device_.name(), device_.name()));
+    if (!b.is_allocated())
+      throw InvalidArgument(fmt::format(TINYDEV_FMT("{}: {} of an unallocated buffer: allocate it first"), *name_,
+                                        what));
+  }
+  // Before an operation (the lane's submit mutex held): usable, and what finished work held let go.
+  void prepare() {
+    lane_.check_usable();
+    release_finished();
+  }
+  void release_finished() {
+    if (held_.empty()) return;
+    const std::uint64_t reached = lane_.timeline_signal().value();
+    while (!held_.empty() && held_.front().value <= reached) held_.pop_front();
+  }
+  // Event waits not yet part of a submission go in one of their own (before work that records its
+  // own queues: staged copies, graphs, transfers).
+  void flush_waits() {
+    if (waits_.empty()) return;
+    auto reservation = lane_.reserve_timeline_value();
+    const std::uint64_t value = reservation.value();
+    auto q = lane_.compute_queue();
+    q.wait(lane_.timeline_signal(), value - 1);
+    for (const auto& [signal, wanted] : waits_) q.wait(signal, wanted);
+    q.signal(lane_.timeline_signal(), value);
+    waits_.clear();
+    q.submit(lane_);
+    reservation.submitted();
+  }
+  // The event ending everything submitted so far (lazy timeline work is signalled first: Note
+  // [Lazy timeline signals]); what the work used is held until then.
+  Event finish(std::span<const Buffer> buffers, std::shared_ptr<Program> program) {
+    const std::uint64_t value = lane_.last_submitted_value();
+    if (lane_.timeline_signal().slot().value.load(std::memory_order_acquire) < value)
+      held_.push_back(Held{value, std::vector<Buffer>(buffers.begin(), buffers.end()), std::move(program)});
+    return Event(lane_.timeline_signal(), value, name_);
+  }
+
+  Lane& device_;
+  Lane& lane_;
+  const std::string* name_;  // the lane's: lives as long as the process
+  // The lane's submit mutex serializes this stream's operations and guards these two.
+  std::vector<std::pair<Signal, std::uint64_t>> waits_;  // events to wait for in the next submission
+  std::deque<Held> held_;
+};
+
+}  // namespace tinydev
+
+TINYDEV_API_END
