@@ -157,10 +157,19 @@ const Nvrtc& nvrtc() {
   if (state->loaded) return state->nvrtc;
   std::string opened, errors;
   // NVRTC's output needs a driver of at least its major version (PTX 9.x does not JIT on a 12.x
-  // driver): with a 12.x driver loaded, NVRTC 12 first.
+  // driver): with a 12.x driver, NVRTC 12 first. The driver is asked even on the compile-only
+  // path (the choice is made once); a machine without one compiles with the newest NVRTC.
   std::vector<std::string> candidates{"libnvrtc.so.13", "libnvrtc.so.12", "/usr/local/cuda/lib64/libnvrtc.so.13",
                                       "/usr/local/cuda/lib64/libnvrtc.so.12"};
-  if (const int version = loaded_driver_version(); version != 0 && version / 1000 < 13)
+  int version = loaded_driver_version();
+  if (version == 0) {
+    try {
+      version = driver().version;
+    } catch (const Error&) {
+      // No driver here: nothing to match.
+    }
+  }
+  if (version != 0 && version / 1000 < 13)
     candidates = {"libnvrtc.so.12", "/usr/local/cuda/lib64/libnvrtc.so.12", "libnvrtc.so.13",
                   "/usr/local/cuda/lib64/libnvrtc.so.13"};
   void* handle = open_first(candidates, opened, errors);

@@ -460,6 +460,9 @@ CudaHCQDevice::CudaHCQDevice(CudaHCQDevice& parent, const std::string& lane_name
       parent_(&parent) {
   never_wrap_timeline();  // its events live on (Note [Timeline wrap])
   clock_offset_ns_ = parent.clock_offset_ns_;  // the same GPU's clock
+  // A stream's copies are a request's, not a model's weights: 4 pinned slots of 2 MiB (8 MiB a
+  // lane, made at its first staged copy), not the device's 32 (64 MiB for each of 64 lanes).
+  static_cast<CudaAllocator&>(allocator()).set_staging_shape(CudaAllocator::kDefaultBatchSize, 4);
   LiveDevices& live = live_devices();
   std::lock_guard lock(live.mutex);
   live.devices.push_back(this);
@@ -470,7 +473,11 @@ std::shared_ptr<Stream> CudaHCQDevice::create_stream(const StreamOptions& option
   throw_if_failed();
   if (parent_) return parent_->create_stream(options);
   CudaHCQDevice* lane = lanes_.take(kMaxStreams, name(), [&](std::size_t number) {
-    return std::unique_ptr<CudaHCQDevice>(new CudaHCQDevice(*this, fmt::format("{} stream {}", name(), number)));
+    auto made = std::unique_ptr<CudaHCQDevice>(new CudaHCQDevice(*this, fmt::format("{} stream {}", name(), number)));
+    // Lanes live as long as the process, as registry devices do: the profiler's flush hook
+    // processes their profile records (each holds two pinned signal slots until then).
+    made->on_opened();
+    return made;
   });
   try {
     return make_cuda_stream(*this, *lane, options);
@@ -539,6 +546,21 @@ void CudaHCQDevice::throw_if_failed() const {
                             slot.poison_text()));
 }
 
+// Note [CUDA waits on failed signals]
+// A signal whose queue failed is poisoned on the host (Note [CUDA failures]) and its value never
+// written, so a GPU queue waiting for it (another device's transfer, a stream waiting for an
+// event) would wait for ever, and so would everyone waiting for this device's timeline. The
+// device remembers its last 64 GPU-side waits with the timeline value taken when each was issued;
+// while its timeline stalls (check_health, every 50 ms of a host wait), a wait whose work has not
+// finished on a poisoned signal below its value fails the device with the signal's reason. Its
+// stream stays blocked on the GPU: recover() cannot drain it and the device (or stream) is not
+// reused.
+void CudaHCQDevice::note_gpu_wait(const SignalSlot* slot, std::uint64_t value) {
+  std::lock_guard lock(recent_waits_mutex_);
+  recent_waits_[recent_waits_next_] = RecentWait{slot, value, timeline_value()};
+  recent_waits_next_ = (recent_waits_next_ + 1) % recent_waits_.size();
+}
+
 void CudaHCQDevice::check_health() const {
   if (state_->released.load()) return;
   if (state_->api.cuCtxSetCurrent(state_->context) != CUDA_SUCCESS) return;
@@ -548,6 +570,18 @@ void CudaHCQDevice::check_health() const {
       context_failed_.store(true, std::memory_order_release);  // an asynchronous error is sticky
       fail(fmt::format("{}: the GPU reported an error while running queued work: {}", name(), describe(r)));
     }
+  }
+  const std::uint64_t reached = timeline_signal().slot().value.load(std::memory_order_acquire);
+  std::lock_guard lock(recent_waits_mutex_);
+  for (const RecentWait& w : recent_waits_) {
+    // Issued when `taken` was the next timeline value: the submission signals at most taken - 1,
+    // and once the timeline reached that, the wait passed.
+    if (!w.slot || reached + 1 >= w.taken || !w.slot->poisoned.load(std::memory_order_acquire) ||
+        w.slot->value.load(std::memory_order_acquire) >= w.value)
+      continue;
+    fail(fmt::format("{}: its queued work waits on the GPU for value {} of a signal that will never reach it: {}",
+                     name(), w.value, w.slot->poison_text()));
+    return;
   }
 }
 
@@ -594,6 +628,7 @@ void CudaHCQDevice::submit_commands(CudaLane lane, std::span<const CudaCommand> 
       case CommandKind::signal:
       case CommandKind::wait: {
         const auto address = reinterpret_cast<CUdeviceptr>(&c.slot->value);  // Note [CUDA signal memory]
+        if (c.kind == CommandKind::wait) note_gpu_wait(c.slot, c.value);
         if (!s.memops) {
           flush();
           auto* record = new HostSignal{c.slot, c.value};
@@ -919,6 +954,7 @@ void release_at_exit() {
     devices = live.devices;
   }
   for (CudaHCQDevice* device : devices) {
+    if (device->is_lane()) continue;  // its device's synchronize covers it
     try {
       device->synchronize();
     } catch (const std::exception& e) {

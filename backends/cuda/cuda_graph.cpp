@@ -92,6 +92,9 @@ class CudaGraph final : public Graph {
     if (!exec_) {
       build(inputs, variables);
     } else if (!same_as_last(inputs, variables)) {
+      // Until this replay's patches all landed, no earlier replay's inputs describe the graph.
+      last_inputs_.clear();
+      last_variables_.clear();
       if (overlaps(inputs) != overlaps_) {
         debug_log(2, s.name, "graph replay: the inputs overlap other buffers differently than when the graph was "
                              "built: building it again (Note [CUDA graph dependencies])");
@@ -148,13 +151,13 @@ class CudaGraph final : public Graph {
     if (inputs.size() != last_inputs_.size() || !std::equal(variables.begin(), variables.end(), last_variables_.begin(),
                                                             last_variables_.end()))
       return false;
-    for (std::size_t i = 0; i < inputs.size(); ++i)
-      if (inputs[i].va_addr != last_inputs_[i]) return false;
+    for (std::size_t i = 0; i < inputs.size(); ++i)  // sizes too: overlaps depend on them
+      if (inputs[i].va_addr != last_inputs_[i].first || inputs[i].size != last_inputs_[i].second) return false;
     return true;
   }
   void remember(std::span<const Allocation> inputs, std::span<const std::int32_t> variables) {
     last_inputs_.resize(inputs.size());
-    for (std::size_t i = 0; i < inputs.size(); ++i) last_inputs_[i] = inputs[i].va_addr;
+    for (std::size_t i = 0; i < inputs.size(); ++i) last_inputs_[i] = {inputs[i].va_addr, inputs[i].size};
     last_variables_.assign(variables.begin(), variables.end());
   }
 
@@ -401,7 +404,7 @@ class CudaGraph final : public Graph {
   std::vector<std::vector<std::byte>> args_;                         // per kernel node, as patched last
   std::vector<std::pair<std::uint64_t, std::uint64_t>> copies_;      // per copy node: (dest, src)
   bool replayed_ = false;
-  std::vector<std::uintptr_t> last_inputs_;   // the last replay's input addresses
+  std::vector<std::pair<std::uint64_t, std::uint64_t>> last_inputs_;  // the last replay's inputs (address, size)
   std::vector<std::int32_t> last_variables_;  // and variables
   std::string launch_what_ = fmt::format("launching a graph of {} nodes", nodes_.size());
 };

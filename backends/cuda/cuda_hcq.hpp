@@ -208,6 +208,7 @@ class CudaHCQDevice final : public HCQCompiled<CudaComputeQueue, CudaCopyQueue> 
   void synchronize() override;
   // The device whose programs this device's queues run: itself, or a lane's parent.
   const CudaHCQDevice& programs_device() const noexcept { return parent_ ? *parent_ : *this; }
+  bool is_lane() const noexcept { return parent_ != nullptr; }
 
   // Every CUDA device's signals: pinned, device-mapped host memory all of them reach.
   bool can_reach(const SignalPool& pool) const noexcept override;
@@ -259,6 +260,16 @@ class CudaHCQDevice final : public HCQCompiled<CudaComputeQueue, CudaCopyQueue> 
   // Both streams finished what they hold (recover() drains them first).
   bool queues_idle() const override;
   int launch_timestamp(SignalSlot* slot, void* stream);  // the CUresult of the timestamp kernel's launch
+  // Note [CUDA waits on failed signals] (cuda_device.cpp).
+  void note_gpu_wait(const SignalSlot* slot, std::uint64_t value);
+  struct RecentWait {
+    const SignalSlot* slot = nullptr;
+    std::uint64_t value = 0;
+    std::uint64_t taken = 0;  // timeline_value() when the wait was issued
+  };
+  mutable std::mutex recent_waits_mutex_;
+  std::array<RecentWait, 64> recent_waits_{};
+  std::size_t recent_waits_next_ = 0;
   // Profiling spans around stream work (each returns a CUresult; see cuda_device.cpp).
   int begin_span(std::optional<ProfileRecord>& span, std::string_view name, void* stream);
   int end_span(std::optional<ProfileRecord>& span, void* stream);

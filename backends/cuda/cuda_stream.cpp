@@ -2,8 +2,8 @@
 //
 // Note [CUDA streams]
 // A stream runs on a lane: a CudaHCQDevice of its own (cuda_hcq.hpp) with two non-blocking CUDA
-// streams, a timeline that never wraps, its own staging ring and kernel-argument pages, in the
-// parent's context, running the parent's programs on the parent's buffers, with the signals every
+// streams, a timeline that never wraps, its own staging ring (4 pinned slots of 2 MiB: a request's
+// copies, not a model's) and kernel-argument pages, in the parent's context, running the parent's programs on the parent's buffers, with the signals every
 // CUDA device shares. Each operation is one submission on the lane, as on the CPU (Note [CPU
 // streams]): a wait for the lane's previous timeline value, waits for the events given to wait()
 // since, the work, and a signal of the next value; the Event returned is (lane timeline, that
@@ -11,9 +11,13 @@
 // events, which are stream memory operations on the shared signals (a GPU-side wait: the host does
 // not block). Graph replays are the lane's native CUDA graphs, launched on its compute stream.
 // Unlike a CPU stream, nothing runs on the caller (StreamOptions::run_inline_when_idle does not
-// apply: a GPU kernel cannot run on the host). A copyout into pageable memory is the driver's
-// cuMemcpyAsync, which returns once the copy is done (the driver's rule for pageable memory), so
-// the Event it returns is already complete. What the queued work uses (Buffers, the Program) is
+// apply: a GPU kernel cannot run on the host). A copyout goes through the lane's pinned ring after
+// the lane's work and returns once the bytes are in the caller's memory (a cuMemcpyAsync into
+// pageable memory would too, but inside the driver, behind the event waits, with no timeout), so
+// the Event it returns is already complete. The GPU runs at most CUDA_DEVICE_MAX_CONNECTIONS (8 by
+// default) hardware queues: beyond that, streams share them, and a stream waiting for an event
+// holds up the others on its queue until the event completes (no deadlock: every wait is for work
+// submitted before it). What the queued work uses (Buffers, the Program) is
 // held until the timeline passed it and let go by a later call on the caller's thread.
 #include <fmt/format.h>
 
@@ -32,10 +36,7 @@ class CudaStream final : public HCQLaneStream<CudaHCQDevice> {
   }
 
   Event copyin(const Buffer& dest, std::span<const std::byte> src) override {
-    check_buffer(dest, "copyin");
-    if (src.size() != dest.nbytes())
-      throw InvalidArgument(fmt::format("{}: copyin of {} bytes into a buffer of {} bytes: give exactly the buffer's size",
-                                        *name_, src.size(), dest.nbytes()));
+    check_copyin(dest, src.size());
     std::lock_guard lock(lane_.submit_mutex());
     prepare();
     flush_waits();
@@ -45,36 +46,22 @@ class CudaStream final : public HCQLaneStream<CudaHCQDevice> {
     return finish(std::span(&dest, 1), nullptr);
   }
 
+  // Through the lane's pinned ring (the allocator's pipelined copyout, after the lane's work and
+  // its event waits, bounded by its timeout), not a cuMemcpyAsync into pageable memory, which the
+  // driver runs synchronously behind the waits with no bound. Returns once the bytes are there.
   Event copyout(std::span<std::byte> dest, const Buffer& src) override {
-    check_buffer(src, "copyout");
-    if (dest.size() != src.nbytes())
-      throw InvalidArgument(fmt::format("{}: copyout of a buffer of {} bytes into {} bytes: give exactly the buffer's "
-                                        "size",
-                                        *name_, src.nbytes(), dest.size()));
+    check_copyout(dest.size(), src);
     std::lock_guard lock(lane_.submit_mutex());
     prepare();
-    auto reservation = lane_.reserve_timeline_value();
-    const std::uint64_t value = reservation.value();
-    auto q = lane_.copy_queue();
-    q.wait(lane_.timeline_signal(), value - 1);
-    for (const auto& [signal, wanted] : waits_) q.wait(signal, wanted);
-    q.copy(Allocation{reinterpret_cast<std::uintptr_t>(dest.data()), dest.size(), nullptr}, src.allocation(),
-           dest.size());
-    q.signal(lane_.timeline_signal(), value);
-    waits_.clear();
-    q.submit(lane_);
-    reservation.submitted();
+    flush_waits();
+    lane_.allocator().copyout(dest, src.allocation());
     return finish(std::span(&src, 1), nullptr);
   }
 
   Event launch(const std::shared_ptr<Program>& program, std::span<const Buffer> buffers,
                std::span<const std::int32_t> values, const LaunchParams& params) override {
-    auto* cuda_program = dynamic_cast<const CudaProgram*>(program.get());
-    if (!cuda_program || cuda_program->device() != device_.name())
-      throw InvalidArgument(fmt::format("{}: kernel '{}' was not loaded on {}: load it with Device[\"{}\"].load_kernel",
-                                        *name_, program ? program->name() : std::string("(null)"), device_.name(),
-                                        device_.name()));
-    cuda_program->check_counts(buffers.size(), values.size());
+    const CudaProgram& cuda_program = program_of<CudaProgram>(program);
+    cuda_program.check_counts(buffers.size(), values.size());
     std::vector<Allocation> allocations(buffers.size());
     for (std::size_t i = 0; i < buffers.size(); ++i) {
       check_buffer(buffers[i], "launch");
@@ -83,25 +70,7 @@ class CudaStream final : public HCQLaneStream<CudaHCQDevice> {
     std::lock_guard lock(lane_.submit_mutex());
     prepare();
     auto reservation = lane_.reserve_timeline_value();
-    const std::uint64_t value = reservation.value();
-    const Kernargs kernargs = lane_.alloc_kernargs(static_cast<std::uint32_t>(buffers.size()),
-                                                   static_cast<std::uint32_t>(values.size()));
-    fill_kernargs(*cuda_program, kernargs, allocations, values);
-    auto q = lane_.compute_queue();
-    q.wait(lane_.timeline_signal(), value - 1);
-    for (const auto& [signal, wanted] : waits_) q.wait(signal, wanted);
-    q.exec(*cuda_program, kernargs, params.global, params.local).signal(lane_.timeline_signal(), value);
-    waits_.clear();
-    q.submit(lane_);
-    reservation.submitted();
-    return finish(buffers, program);
-  }
-
-  std::unique_ptr<Graph> create_graph(std::vector<GraphNode> nodes) override {
-    for (const GraphNode& node : nodes)
-      if (const auto* k = std::get_if<GraphKernel>(&node); k && !k->program)
-        throw InvalidArgument(fmt::format("{}: a graph kernel node has no program", *name_));
-    return lane_.create_graph(std::move(nodes));
+    return submit_launch(reservation, cuda_program, program, buffers, allocations, values, params);
   }
 
   Event replay(Graph& graph, std::span<const Buffer> inputs, std::span<const std::int32_t> variables) override {

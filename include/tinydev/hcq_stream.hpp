@@ -20,6 +20,8 @@
 #include <chrono>
 #include <cstddef>
 #include <deque>
+#include <span>
+#include <variant>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -131,6 +133,14 @@ class HCQLaneStream : public Stream {
   const std::string& name() const noexcept override { return *name_; }
   Compiled& device() const noexcept override { return device_; }
 
+  // A graph of the lane's (replayed by the backend's replay).
+  std::unique_ptr<Graph> create_graph(std::vector<GraphNode> nodes) override {
+    for (const GraphNode& node : nodes)
+      if (const auto* k = std::get_if<GraphKernel>(&node); k && !k->program)
+        throw InvalidArgument(fmt::format(TINYDEV_FMT("{}: a graph kernel node has no program"), *name_));
+    return lane_.create_graph(std::move(nodes));
+  }
+
   Event transfer(const Buffer& dest, const Buffer& src) override {
     check_buffer(src, "transfer");
     if (!dest.is_allocated())
@@ -205,6 +215,67 @@ class HCQLaneStream : public Stream {
       throw InvalidArgument(fmt::format(TINYDEV_FMT("{}: {} of an unallocated buffer: allocate it first"), *name_,
                                         what));
   }
+  // copyin's and copyout's checks: an allocated buffer of this device, exactly its size of bytes.
+  void check_copyin(const Buffer& dest, std::size_t bytes) const {
+    check_buffer(dest, "copyin");
+    if (bytes != dest.nbytes())
+      throw InvalidArgument(fmt::format(TINYDEV_FMT("{}: copyin of {} bytes into a buffer of {} bytes: give exactly "
+                                                    "the buffer's size"),
+                                        *name_, bytes, dest.nbytes()));
+  }
+  void check_copyout(std::size_t bytes, const Buffer& src) const {
+    check_buffer(src, "copyout");
+    if (bytes != src.nbytes())
+      throw InvalidArgument(fmt::format(TINYDEV_FMT("{}: copyout of a buffer of {} bytes into {} bytes: give exactly "
+                                                    "the buffer's size"),
+                                        *name_, src.nbytes(), bytes));
+  }
+  // The program as the backend's, loaded on this stream's device; InvalidArgument otherwise.
+  template <class LaneProgram>
+  const LaneProgram& program_of(const std::shared_ptr<Program>& program) const {
+    const auto* own = dynamic_cast<const LaneProgram*>(program.get());
+    if (!own || own->device() != device_.name())
+      throw InvalidArgument(fmt::format(TINYDEV_FMT("{}: kernel '{}' was not loaded on {}: load it with "
+                                                    "Device[\"{}\"].load_kernel"),
+                                        *name_, program ? program->name() : std::string("(null)"), device_.name(),
+                                        device_.name()));
+    return *own;
+  }
+  // Records and submits the lane's copy queue for reserved value `reservation`: after the lane's
+  // previous value and the waits, `src` into host memory `dest`.
+  template <class Reservation>
+  Event submit_copyout(Reservation& reservation, std::span<std::byte> dest, const Buffer& src) {
+    const std::uint64_t value = reservation.value();
+    auto q = lane_.copy_queue();
+    q.wait(lane_.timeline_signal(), value - 1);
+    for (const auto& [signal, wanted] : waits_) q.wait(signal, wanted);
+    q.copy(Allocation{reinterpret_cast<std::uintptr_t>(dest.data()), dest.size(), nullptr}, src.allocation(),
+           dest.size());
+    q.signal(lane_.timeline_signal(), value);
+    waits_.clear();
+    q.submit(lane_);
+    reservation.submitted();
+    return finish(std::span(&src, 1), nullptr);
+  }
+  // The same for a kernel on the lane's compute queue, its arguments in the lane's kernargs pages.
+  template <class Reservation, class LaneProgram>
+  Event submit_launch(Reservation& reservation, const LaneProgram& program, const std::shared_ptr<Program>& holder,
+                      std::span<const Buffer> buffers, std::span<const Allocation> allocations,
+                      std::span<const std::int32_t> values, const LaunchParams& params) {
+    const std::uint64_t value = reservation.value();
+    const Kernargs kernargs = lane_.alloc_kernargs(static_cast<std::uint32_t>(allocations.size()),
+                                                   static_cast<std::uint32_t>(values.size()));
+    fill_kernargs(program, kernargs, allocations, values);
+    auto q = lane_.compute_queue();
+    q.wait(lane_.timeline_signal(), value - 1);
+    for (const auto& [signal, wanted] : waits_) q.wait(signal, wanted);
+    q.exec(program, kernargs, params.global, params.local).signal(lane_.timeline_signal(), value);
+    waits_.clear();
+    q.submit(lane_);
+    reservation.submitted();
+    return finish(buffers, holder);
+  }
+
   // Before an operation (the lane's submit mutex held): usable, and what finished work held let go.
   void prepare() {
     lane_.check_usable();

@@ -36,10 +36,7 @@ class CpuStream final : public HCQLaneStream<CpuHCQDevice> {
   }
 
   Event copyin(const Buffer& dest, std::span<const std::byte> src) override {
-    check_buffer(dest, "copyin");
-    if (src.size() != dest.nbytes())
-      throw InvalidArgument(fmt::format("{}: copyin of {} bytes into a buffer of {} bytes: give exactly the buffer's size",
-                                        *name_, src.size(), dest.nbytes()));
+    check_copyin(dest, src.size());
     std::lock_guard lock(lane_.submit_mutex());
     prepare();
     if (runs_here(lane_.timeline_value())) {
@@ -55,11 +52,7 @@ class CpuStream final : public HCQLaneStream<CpuHCQDevice> {
   }
 
   Event copyout(std::span<std::byte> dest, const Buffer& src) override {
-    check_buffer(src, "copyout");
-    if (dest.size() != src.nbytes())
-      throw InvalidArgument(fmt::format("{}: copyout of a buffer of {} bytes into {} bytes: give exactly the buffer's "
-                                        "size",
-                                        *name_, src.nbytes(), dest.size()));
+    check_copyout(dest.size(), src);
     std::lock_guard lock(lane_.submit_mutex());
     prepare();
     auto reservation = lane_.reserve_timeline_value();
@@ -68,25 +61,12 @@ class CpuStream final : public HCQLaneStream<CpuHCQDevice> {
       std::memcpy(dest.data(), src.allocation().host_ptr<const std::byte>(), dest.size());
       return ran_here(reservation, value);
     }
-    CpuCopyQueue q;
-    q.wait(lane_.timeline_signal(), value - 1);
-    for (const auto& [signal, wanted] : waits_) q.wait(signal, wanted);
-    q.copy(Allocation{reinterpret_cast<std::uintptr_t>(dest.data()), dest.size(), nullptr}, src.allocation(),
-           dest.size());
-    q.signal(lane_.timeline_signal(), value);
-    lane_.copy_worker().submit(q.words());
-    reservation.submitted();
-    waits_.clear();
-    return finish(std::span(&src, 1), nullptr);
+    return submit_copyout(reservation, dest, src);
   }
 
   Event launch(const std::shared_ptr<Program>& program, std::span<const Buffer> buffers,
                std::span<const std::int32_t> values, const LaunchParams& params) override {
-    auto* cpu_program = dynamic_cast<const CpuProgram*>(program.get());
-    if (!cpu_program || cpu_program->device() != device_.name())
-      throw InvalidArgument(fmt::format("{}: kernel '{}' was not loaded on {}: load it with Device[\"{}\"].load_kernel",
-                                        *name_, program ? program->name() : std::string("(null)"), device_.name(),
-                                        device_.name()));
+    const auto* cpu_program = &program_of<CpuProgram>(program);
     cpu_program->check_launch(buffers.size(), values.size(), params.global);  // at most kMaxKernelArgs in all
     Allocation allocations[kMaxKernelArgs];
     for (std::size_t i = 0; i < buffers.size(); ++i) {
@@ -114,24 +94,8 @@ class CpuStream final : public HCQLaneStream<CpuHCQDevice> {
       if (profiling) Profiler::global().add(ProfileEvent{cpu_program->name(), start, Profiler::now_ns(), *name_, "COMPUTE"});
       return ran_here(reservation, value);
     }
-    const Kernargs kernargs = lane_.alloc_kernargs(static_cast<std::uint32_t>(buffers.size()),
-                                                   static_cast<std::uint32_t>(values.size()));
-    fill_kernargs(*cpu_program, kernargs, std::span<const Allocation>(allocations, buffers.size()), values);
-    CpuComputeQueue q;
-    q.wait(lane_.timeline_signal(), value - 1);
-    for (const auto& [signal, wanted] : waits_) q.wait(signal, wanted);
-    q.exec(*cpu_program, kernargs, params.global, params.local).signal(lane_.timeline_signal(), value);
-    lane_.compute_worker().submit(q.words());
-    reservation.submitted();
-    waits_.clear();
-    return finish(buffers, program);
-  }
-
-  std::unique_ptr<Graph> create_graph(std::vector<GraphNode> nodes) override {
-    for (const GraphNode& node : nodes)
-      if (const auto* k = std::get_if<GraphKernel>(&node); k && !k->program)
-        throw InvalidArgument(fmt::format("{}: a graph kernel node has no program", *name_));
-    return lane_.create_graph(std::move(nodes));
+    return submit_launch(reservation, *cpu_program, program, buffers,
+                         std::span<const Allocation>(allocations, buffers.size()), values, params);
   }
 
   Event replay(Graph& graph, std::span<const Buffer> inputs, std::span<const std::int32_t> variables) override {

@@ -1038,6 +1038,29 @@ TEST_CASE("cuda gpu: 4 clients with a stream each make 200 requests each and eve
   CHECK(wrong == 0);
 }
 
+TEST_CASE("cuda fake: a GPU queue waiting for a signal that failed fails its device with the reason instead of hanging", "[cuda][fake]") {
+  auto* dev = fake_hcq("CUDA:1");
+  if (!dev) return;
+  Signal upstream = dev->alloc_signal(0);
+  {
+    // The HCQ pattern: after the timeline's last value, wait on the GPU for upstream, then signal.
+    auto r = dev->reserve_timeline_value();
+    dev->compute_queue()
+        .wait(dev->timeline_signal(), r.value() - 1)
+        .wait(upstream, 1)
+        .signal(dev->timeline_signal(), r.value())
+        .submit(*dev);
+    r.submitted();
+  }
+  upstream.poison("the producer's copy failed");  // its value will never come
+  const auto start = std::chrono::steady_clock::now();
+  CHECK_THROWS_WITH(dev->synchronize(),
+                    Catch::Contains("waits on the GPU for value 1 of a signal that will never reach it") &&
+                        Catch::Contains("the producer's copy failed"));
+  CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(5));  // not the 30 s timeout
+  CHECK_THAT(dev->fault(), Catch::Contains("the producer's copy failed"));
+}
+
 TEST_CASE("cuda fake: a graph launch the driver refuses is an Error and the device and the graph keep working", "[cuda][fake]") {
   auto* dev = fake_hcq();
   if (!dev) return;
