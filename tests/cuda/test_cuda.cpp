@@ -527,8 +527,12 @@ TEST_CASE("cuda fake: exit probe", "[.][probe][cuda-exit-probe]") {
   const auto x = random_floats(n, fresh_seed());
   for (auto* dev : {a, b}) {
     auto add = dev->load_kernel("add", kernels::add_f32(SourceLanguage::CUDA));
-    auto* in = new Buffer(dev->name(), n, dtypes::float32);  // leaked: alive while the process exits
-    auto* out = new Buffer(dev->name(), n, dtypes::float32);
+    static std::vector<Buffer> alive_at_exit;  // destroyed after the exit handler released the contexts
+    alive_at_exit.reserve(4);  // no reallocation: their allocations stay where the kernels use them
+    alive_at_exit.emplace_back(dev->name(), n, dtypes::float32);
+    alive_at_exit.emplace_back(dev->name(), n, dtypes::float32);
+    Buffer* in = &alive_at_exit[alive_at_exit.size() - 2];
+    Buffer* out = &alive_at_exit.back();
     in->allocate().copyin(std::span<const float>(x));
     out->allocate();
     const Allocation bufs[] = {out->allocation(), in->allocation(), in->allocation()};

@@ -30,6 +30,9 @@
 // Not a general emulator: what the backend does not call is not here.
 #include <cuda.h>
 #include <sys/mman.h>
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/asan_interface.h>
+#endif
 
 #include <atomic>
 #include <chrono>
@@ -527,6 +530,17 @@ CUresult CUDAAPI cuDevicePrimaryCtxRetain(CUcontext* context, CUdevice device) {
   return CUDA_SUCCESS;
 }
 
+// Makes released pinned memory inaccessible. Under AddressSanitizer the region is poisoned
+// instead (an access is a use-after-poison report): LeakSanitizer reads every live heap block at
+// exit and would fault on a PROT_NONE one.
+static void unmap_for_good(void* memory, std::size_t bytes) {
+#if defined(__SANITIZE_ADDRESS__)
+  ASAN_POISON_MEMORY_REGION(memory, bytes);
+#else
+  ::mprotect(memory, bytes, PROT_NONE);
+#endif
+}
+
 // Releasing the last reference resets the context, as the driver does: its memory is gone. Pinned
 // host memory it made is made inaccessible (PROT_NONE), so whoever still reads it crashes here as
 // on a GPU machine instead of reading freed memory quietly.
@@ -543,7 +557,7 @@ CUresult CUDAAPI cuDevicePrimaryCtxRelease(CUdevice device) {
       continue;
     }
     const std::size_t bytes = (std::max<std::size_t>(host_allocations().at(it->first), 1) + 4095) / 4096 * 4096;
-    ::mprotect(reinterpret_cast<void*>(it->first), bytes, PROT_NONE);  // leaked: the process is ending
+    unmap_for_good(reinterpret_cast<void*>(it->first), bytes);  // leaked: the process is ending
     host_allocations().erase(it->first);
     it = host_owners().erase(it);
   }
