@@ -64,7 +64,8 @@ class ContextSwitch {
 };
 
 const std::shared_ptr<SignalPool>& shared_signal_pool(const std::shared_ptr<DeviceState>& first) {
-  static auto* pool = new std::shared_ptr<SignalPool>(std::make_shared<SignalPool>(
+  // The first device's context owns the slots' memory (g_signal_owner_of_pool, Note [CUDA at exit]).
+  static auto* pool = (g_signal_owner_of_pool = first.get(), new std::shared_ptr<SignalPool>(std::make_shared<SignalPool>(
       "CUDA", SignalMemory{.allocate =
                                [state = first](std::size_t bytes) -> void* {
                                  const ContextSwitch in_owner(*state);
@@ -87,12 +88,7 @@ const std::shared_ptr<SignalPool>& shared_signal_pool(const std::shared_ptr<Devi
                                [state = first](void* memory, std::size_t) {
                                  if (!state->released.load()) state->api.cuMemFreeHost(memory);
                                },
-                           .device_writes_without_wake = true}));
-  static const bool owner_set = [&] {
-    g_signal_owner_of_pool = first.get();
-    return true;
-  }();
-  (void)owner_set;
+                           .device_writes_without_wake = true})));
   return *pool;
 }
 

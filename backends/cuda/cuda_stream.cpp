@@ -3,8 +3,8 @@
 // Note [CUDA streams]
 // A stream runs on a lane: a CudaHCQDevice of its own (cuda_hcq.hpp) with two non-blocking CUDA
 // streams, a timeline that never wraps, its own staging ring (4 pinned slots of 2 MiB: a request's
-// copies, not a model's) and kernel-argument pages, in the parent's context, running the parent's programs on the parent's buffers, with the signals every
-// CUDA device shares. Each operation is one submission on the lane, as on the CPU (Note [CPU
+// copies, not a model's) and kernel-argument pages, in the parent's context, running the parent's
+// programs on the parent's buffers, with the signals every CUDA device shares. Each operation is one submission on the lane, as on the CPU (Note [CPU
 // streams]): a wait for the lane's previous timeline value, waits for the events given to wait()
 // since, the work, and a signal of the next value; the Event returned is (lane timeline, that
 // value). Two streams' kernels and copies therefore run at once on the GPU, ordered only through
@@ -17,11 +17,8 @@
 // the Event it returns is already complete. The GPU runs at most CUDA_DEVICE_MAX_CONNECTIONS (8 by
 // default) hardware queues: beyond that, streams share them, and a stream waiting for an event
 // holds up the others on its queue until the event completes (no deadlock: every wait is for work
-// submitted before it). What the queued work uses (Buffers, the Program) is
-// held until the timeline passed it and let go by a later call on the caller's thread.
-#include <fmt/format.h>
-
-
+// submitted before it). What the queued work uses (Buffers, the Program) is held until the
+// timeline passed it and let go by a later call on the caller's thread.
 #include "cuda_hcq.hpp"
 #include "tinydev/hcq_stream.hpp"
 
@@ -39,11 +36,7 @@ class CudaStream final : public HCQLaneStream<CudaHCQDevice> {
     check_copyin(dest, src.size());
     std::lock_guard lock(lane_.submit_mutex());
     prepare();
-    flush_waits();
-    // The lane's staging ring, ordered after the lane's work; the caller's bytes are read before
-    // this returns.
-    lane_.allocator().copyin(dest.allocation(), src);
-    return finish(std::span(&dest, 1), nullptr);
+    return copyin_through_lane(dest, src);
   }
 
   // Through the lane's pinned ring (the allocator's pipelined copyout, after the lane's work and
@@ -73,24 +66,8 @@ class CudaStream final : public HCQLaneStream<CudaHCQDevice> {
     return submit_launch(reservation, cuda_program, program, buffers, allocations, values, params);
   }
 
-  Event replay(Graph& graph, std::span<const Buffer> inputs, std::span<const std::int32_t> variables) override {
-    if (!is_cuda_graph_of(graph, lane_))
-      throw InvalidArgument(fmt::format("{}: this graph was not made by this stream's create_graph: a graph replays on "
-                                        "the stream that made it",
-                                        *name_));
-    std::vector<Allocation> allocations;
-    allocations.reserve(inputs.size());
-    for (const Buffer& b : inputs) {
-      check_buffer(b, "replay");
-      allocations.push_back(b.allocation());
-    }
-    std::lock_guard lock(lane_.submit_mutex());
-    prepare();
-    flush_waits();
-    graph.replay(allocations, variables, /*wait=*/false);
-    return finish(inputs, nullptr);
-  }
-
+ private:
+  bool made_here(const Graph& graph) const noexcept override { return is_cuda_graph_of(graph, lane_); }
 };
 
 }  // namespace

@@ -141,6 +141,25 @@ class HCQLaneStream : public Stream {
     return lane_.create_graph(std::move(nodes));
   }
 
+  // Replays a graph this stream's create_graph made (made_here), after the stream's work and waits.
+  Event replay(Graph& graph, std::span<const Buffer> inputs, std::span<const std::int32_t> variables) override {
+    if (!made_here(graph))
+      throw InvalidArgument(fmt::format(TINYDEV_FMT("{}: this graph was not made by this stream's create_graph: a "
+                                                    "graph replays on the stream that made it"),
+                                        *name_));
+    std::vector<Allocation> allocations;
+    allocations.reserve(inputs.size());
+    for (const Buffer& b : inputs) {
+      check_buffer(b, "replay");
+      allocations.push_back(b.allocation());
+    }
+    std::lock_guard lock(lane_.submit_mutex());
+    prepare();
+    flush_waits();
+    graph.replay(allocations, variables, /*wait=*/false);
+    return finish(inputs, nullptr);
+  }
+
   Event transfer(const Buffer& dest, const Buffer& src) override {
     check_buffer(src, "transfer");
     if (!dest.is_allocated())
@@ -215,6 +234,17 @@ class HCQLaneStream : public Stream {
       throw InvalidArgument(fmt::format(TINYDEV_FMT("{}: {} of an unallocated buffer: allocate it first"), *name_,
                                         what));
   }
+  // Whether `graph` is one the lane's create_graph made (the backend's own graph type).
+  virtual bool made_here(const Graph& graph) const noexcept = 0;
+
+  // A copyin through the lane's allocator (its staging ring, ordered after the lane's work and the
+  // waits; the caller's bytes are read before it returns). The lane's submit mutex is held.
+  Event copyin_through_lane(const Buffer& dest, std::span<const std::byte> src) {
+    flush_waits();
+    lane_.allocator().copyin(dest.allocation(), src);
+    return finish(std::span(&dest, 1), nullptr);
+  }
+
   // What a dropped stream's unfinished work may still read: kept for the life of the process, where
   // leak checkers see it kept on purpose (reachable from a static), not freed under the work.
   static void keep_for_ever(std::deque<Held> held) {

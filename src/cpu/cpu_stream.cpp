@@ -44,11 +44,8 @@ class CpuStream final : public HCQLaneStream<CpuHCQDevice> {
       std::memcpy(dest.allocation().host_ptr<std::byte>(), src.data(), src.size());
       return Event(lane_.timeline_signal(), lane_.timeline_value() - 1, name_);
     }
-    flush_waits();
-    // The lane's staging ring: a direct copy when the lane is idle, else through its copy queue,
-    // ordered after the lane's work; either way the caller's bytes are read before this returns.
-    lane_.cpu_allocator().copyin(dest.allocation(), src);
-    return finish(std::span(&dest, 1), nullptr);
+    // The lane's staging ring: a direct copy when the lane is idle, else through its copy queue.
+    return copyin_through_lane(dest, src);
   }
 
   Event copyout(std::span<std::byte> dest, const Buffer& src) override {
@@ -98,26 +95,11 @@ class CpuStream final : public HCQLaneStream<CpuHCQDevice> {
                          std::span<const Allocation>(allocations, buffers.size()), values, params);
   }
 
-  Event replay(Graph& graph, std::span<const Buffer> inputs, std::span<const std::int32_t> variables) override {
-    auto* hcq = dynamic_cast<HCQGraph<CpuHCQDevice>*>(&graph);
-    if (!hcq || &hcq->device() != &lane_)
-      throw InvalidArgument(fmt::format("{}: this graph was not made by this stream's create_graph: a graph replays on "
-                                        "the stream that made it",
-                                        *name_));
-    std::vector<Allocation> allocations;
-    allocations.reserve(inputs.size());
-    for (const Buffer& b : inputs) {
-      check_buffer(b, "replay");
-      allocations.push_back(b.allocation());
-    }
-    std::lock_guard lock(lane_.submit_mutex());
-    prepare();
-    flush_waits();
-    hcq->replay(allocations, variables, /*wait=*/false);
-    return finish(inputs, nullptr);
-  }
-
  private:
+  bool made_here(const Graph& graph) const noexcept override {
+    const auto* hcq = dynamic_cast<const HCQGraph<CpuHCQDevice>*>(&graph);
+    return hcq && &hcq->device() == &lane_;
+  }
   // Whether the work of timeline value `value` (reserved, its lock held) runs on the caller with no
   // queue at all: inline runs asked for, every event waited for complete (those are dropped from
   // the waits), and everything before it finished. Otherwise it goes to the lane's workers.
