@@ -28,6 +28,7 @@ constexpr std::string_view kVariables[] = {
     "TINYDEV_ASSERT_COMPILE", "TINYDEV_CACHE_DIR",       "TINYDEV_CACHE_MAX_BYTES",
     "TINYDEV_PROFILE",        "TINYDEV_CPU_THREADS",     "TINYDEV_FATAL_SIGNALS",     "TINYDEV_COMPILE_TIMEOUT",
     "TINYDEV_CUDA_DRIVER",    "TINYDEV_CUDA_PTX",        "TINYDEV_DISK_IO",           "TINYDEV_PROFILE_MAX_EVENTS",
+    "TINYDEV_CUDA_NVRTC",
 };
 constexpr std::string_view kPrefix = "TINYDEV_";
 
@@ -114,6 +115,8 @@ Settings parse_with(Get get) {
     out.compile_timeout_s = parse_int("TINYDEV_COMPILE_TIMEOUT", *v, 1, 86400);
   if (auto v = get("TINYDEV_CUDA_DRIVER"); v && !v->empty())
     out.cuda_driver = parse_path("TINYDEV_CUDA_DRIVER", *v);
+  if (auto v = get("TINYDEV_CUDA_NVRTC"); v && !v->empty())
+    out.cuda_nvrtc = parse_path("TINYDEV_CUDA_NVRTC", *v);
   if (auto v = get("TINYDEV_CUDA_PTX"); v && !v->empty()) out.cuda_ptx = parse_flag("TINYDEV_CUDA_PTX", *v);
   if (auto v = get("TINYDEV_FATAL_SIGNALS"); v && !v->empty())
     out.fatal_signal_messages = parse_flag("TINYDEV_FATAL_SIGNALS", *v);

@@ -151,36 +151,79 @@ const Driver& driver() {
   return state->driver;
 }
 
+namespace {
+// The lowest compute capability among the driver's GPUs (75 for 7.5), or 0 with no GPU.
+int lowest_compute_capability(const Driver& api) {
+  int count = 0;
+  if (api.cuDeviceGetCount(&count) != CUDA_SUCCESS) return 0;
+  int lowest = 0;
+  for (int i = 0; i < count; ++i) {
+    CUdevice device = 0;
+    int major = 0, minor = 0;
+    if (api.cuDeviceGet(&device, i) != CUDA_SUCCESS ||
+        api.cuDeviceGetAttribute(&major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, device) != CUDA_SUCCESS ||
+        api.cuDeviceGetAttribute(&minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, device) != CUDA_SUCCESS)
+      continue;
+    const int capability = major * 10 + minor;
+    if (lowest == 0 || capability < lowest) lowest = capability;
+  }
+  return lowest;
+}
+}  // namespace
+
 const Nvrtc& nvrtc() {
   static NvrtcState* state = new NvrtcState;
   std::lock_guard lock(state->mutex);
   if (state->loaded) return state->nvrtc;
   std::string opened, errors;
-  // NVRTC's output needs a driver of at least its major version (PTX 9.x does not JIT on a 12.x
-  // driver): with a 12.x driver, NVRTC 12 first. The driver is asked even on the compile-only
-  // path (the choice is made once); a machine without one compiles with the newest NVRTC.
-  std::vector<std::string> candidates{"libnvrtc.so.13", "libnvrtc.so.12", "/usr/local/cuda/lib64/libnvrtc.so.13",
-                                      "/usr/local/cuda/lib64/libnvrtc.so.12"};
-  int version = loaded_driver_version();
-  if (version == 0) {
+  const std::string configured = settings().cuda_nvrtc;
+  std::vector<std::string> candidates;
+  if (!configured.empty()) {
+    candidates = {configured};
+  } else {
+    // NVRTC's output needs a driver of at least its major version (PTX 9.x does not JIT on a 12.x
+    // driver), and NVRTC 13 compiles for compute capability 7.5 and newer only: with a 12.x driver
+    // or an older GPU, NVRTC 12 first. The driver is asked even on the compile-only path (the
+    // choice is made once); a machine without one compiles with the newest NVRTC.
+    const std::vector<std::string> newest_first{"libnvrtc.so.13", "libnvrtc.so.12",
+                                                "/usr/local/cuda/lib64/libnvrtc.so.13",
+                                                "/usr/local/cuda/lib64/libnvrtc.so.12"};
+    const std::vector<std::string> twelve_first{"libnvrtc.so.12", "/usr/local/cuda/lib64/libnvrtc.so.12",
+                                                "libnvrtc.so.13", "/usr/local/cuda/lib64/libnvrtc.so.13"};
+    candidates = newest_first;
     try {
-      version = driver().version;
+      const Driver& api = driver();
+      const int lowest = lowest_compute_capability(api);
+      if (api.version / 1000 < 13 || (lowest != 0 && lowest < 75)) {
+        candidates = twelve_first;
+        debug_log(1, "CUDA", "NVRTC 12 first: the driver is {}.{}, the oldest GPU compute capability {}.{}",
+                  api.version / 1000, api.version % 1000 / 10, lowest / 10, lowest % 10);
+      }
     } catch (const Error&) {
       // No driver here: nothing to match.
     }
   }
-  if (version != 0 && version / 1000 < 13)
-    candidates = {"libnvrtc.so.12", "/usr/local/cuda/lib64/libnvrtc.so.12", "libnvrtc.so.13",
-                  "/usr/local/cuda/lib64/libnvrtc.so.13"};
   void* handle = open_first(candidates, opened, errors);
   if (!handle)
-    throw DeviceUnavailable(fmt::format("CUDA: NVRTC cannot be opened ({}): install the CUDA toolkit's NVRTC (13 or 12)",
-                                        errors.substr(3)));
+    throw DeviceUnavailable(
+        configured.empty()
+            ? fmt::format("CUDA: NVRTC cannot be opened ({}): install the CUDA toolkit's NVRTC (13 or 12), or set "
+                          "TINYDEV_CUDA_NVRTC to the library",
+                          errors.substr(3))
+            : fmt::format("CUDA: TINYDEV_CUDA_NVRTC='{}' cannot be opened ({}): point it at a libnvrtc.so of CUDA "
+                          "12 or 13, or unset it",
+                          quote_for_message(configured), errors.substr(3)));
   Nvrtc loaded;
   if (std::string missing = resolve(handle, loaded, opened); !missing.empty())
     throw DeviceUnavailable("CUDA: " + missing);
   loaded.path = opened;
   loaded.nvrtcVersion(&loaded.major, &loaded.minor);
+  int count = 0;
+  if (loaded.nvrtcGetNumSupportedArchs(&count) == NVRTC_SUCCESS && count > 0 && count < 1000) {
+    loaded.archs.resize(static_cast<std::size_t>(count));
+    if (loaded.nvrtcGetSupportedArchs(loaded.archs.data()) != NVRTC_SUCCESS) loaded.archs.clear();
+  }
+  debug_log(1, "CUDA", "NVRTC {}.{} from {}", loaded.major, loaded.minor, opened);
   state->nvrtc = loaded;
   state->loaded = true;
   return state->nvrtc;

@@ -22,6 +22,7 @@
 
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace tinydev::cuda {
 
@@ -96,7 +97,9 @@ namespace tinydev::cuda {
   X(nvrtcGetPTXSize)               \
   X(nvrtcGetPTX)                   \
   X(nvrtcGetCUBINSize)             \
-  X(nvrtcGetCUBIN)
+  X(nvrtcGetCUBIN)                  \
+  X(nvrtcGetNumSupportedArchs)     \
+  X(nvrtcGetSupportedArchs)
 
 struct Driver {
 #define TINYDEV_CUDA_MEMBER(name) decltype(&::name) name = nullptr;
@@ -111,6 +114,7 @@ struct Nvrtc {
 #undef TINYDEV_CUDA_MEMBER
   std::string path;
   int major = 0, minor = 0;  // nvrtcVersion
+  std::vector<int> archs;    // nvrtcGetSupportedArchs: the compute capabilities it compiles for, 75 for 7.5
 };
 
 // The driver, loaded and initialized (cuInit) once. Throws DeviceUnavailable saying which of these
@@ -121,8 +125,10 @@ const Driver& driver();
 // The loaded driver's cuDriverGetVersion, or 0 while none is loaded (loads nothing).
 int loaded_driver_version();
 
-// NVRTC, loaded once (NVRTC 12 first when a 12.x driver is loaded already). Throws DeviceUnavailable when no libnvrtc 13 or 12 can be opened, or a
-// function is missing. Needs no GPU and no driver.
+// NVRTC, loaded once: TINYDEV_CUDA_NVRTC when set, else libnvrtc.so.13 then .12, with NVRTC 12
+// first where the driver is 12.x (NVRTC 13's output needs a CUDA 13 driver) or a GPU is older than
+// compute capability 7.5 (NVRTC 13 compiles for 7.5 and newer only). Throws DeviceUnavailable when
+// none can be opened, or a function is missing. Needs no GPU and no driver.
 const Nvrtc& nvrtc();
 
 // "CUDA_ERROR_OUT_OF_MEMORY: out of memory" for `result`, from the driver.

@@ -77,8 +77,27 @@ std::string CudaCompiler::nvrtc_version() const {
   return fmt::format("{}.{}", api.major, api.minor);
 }
 
+std::string CudaCompiler::nvrtc_library() const { return nvrtc().path; }
+
+std::string CudaCompiler::unsupported_reason() const {
+  const Nvrtc& api = nvrtc();
+  if (api.archs.empty()) return "";  // NVRTC did not say: its own error says it at compile
+  // sm_90a and sm_100f are 9.0 and 10.0 with extra features: the number decides.
+  const int capability = std::stoi(arch_.substr(3, arch_.find_first_not_of("0123456789", 3) - 3));
+  if (std::find(api.archs.begin(), api.archs.end(), capability) != api.archs.end()) return "";
+  const auto [lowest, highest] = std::minmax_element(api.archs.begin(), api.archs.end());
+  return fmt::format("NVRTC {}.{} ({}) cannot compile for {}: it compiles for sm_{} to sm_{}; {}", api.major,
+                     api.minor, api.path, arch_, *lowest, *highest,
+                     capability < *lowest
+                         ? "CUDA 13 dropped GPUs older than compute capability 7.5: install CUDA 12's NVRTC "
+                           "(libnvrtc.so.12, chosen first for such GPUs) or set TINYDEV_CUDA_NVRTC to it"
+                         : "this GPU is newer than this NVRTC: install a newer CUDA toolkit's NVRTC or set "
+                           "TINYDEV_CUDA_NVRTC to it");
+}
+
 Blob CudaCompiler::compile(std::string_view source) {
   const Nvrtc& api = nvrtc();
+  if (std::string reason = unsupported_reason(); !reason.empty()) throw CompileError(reason, "");
   ProgramGuard guard{api};
   const std::string src(source);  // NVRTC wants a NUL-terminated string
   auto fail = [&](nvrtcResult r, std::string_view what) -> CompileError {

@@ -26,7 +26,7 @@ class CudaCompiler final : public Compiler {
   // opened.
   explicit CudaCompiler(std::string arch, bool ptx);
 
-  // Throws CompileError carrying NVRTC's log.
+  // Throws CompileError carrying NVRTC's log, or unsupported_reason().
   Blob compile(std::string_view source) override;
   // NVRTC's version, the target and the options: everything that changes the output.
   std::string identity() const override { return identity_; }
@@ -37,6 +37,11 @@ class CudaCompiler final : public Compiler {
   const std::vector<std::string>& options() const noexcept { return options_; }
   // "13.0"
   std::string nvrtc_version() const;
+  // The library NVRTC was opened from, as given to dlopen ("libnvrtc.so.13", or TINYDEV_CUDA_NVRTC).
+  std::string nvrtc_library() const;
+  // "" when the loaded NVRTC compiles for arch(); else why not and what to do (NVRTC 13 compiles
+  // for compute capability 7.5 and newer only). compile() throws it as a CompileError.
+  std::string unsupported_reason() const;
 
  private:
   std::string arch_;

@@ -903,8 +903,10 @@ std::map<std::string, std::string> CudaHCQDevice::properties() const {
   props["memory"] = fmt::format("{:.1f} GiB", static_cast<double>(memory) / (1ull << 30));
   props["multiprocessors"] = std::to_string(attribute(s, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, "SMs"));
   props["64-bit stream memory operations"] = s.memops ? "yes" : "no (signals and waits run as host functions)";
-  props["compiler"] = fmt::format("NVRTC {} to {} for {}", compiler.nvrtc_version(),
-                                  compiler.ptx() ? "PTX (driver JIT)" : "CUBIN", compiler.arch());
+  const std::string unsupported = compiler.unsupported_reason();
+  props["compiler"] = unsupported.empty() ? fmt::format("NVRTC {} to {} for {}", compiler.nvrtc_version(),
+                                                        compiler.ptx() ? "PTX (driver JIT)" : "CUBIN", compiler.arch())
+                                          : "none: " + unsupported;
   props["driver"] = fmt::format("{}.{} ({})", s.api.version / 1000, s.api.version % 1000 / 10, s.api.path);
   props["queues"] = fmt::format("HCQ: compute + copy streams, signals by {}",
                                 s.memops ? "stream memory operations" : "host functions");

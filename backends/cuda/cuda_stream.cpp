@@ -56,10 +56,7 @@ class CudaStream final : public HCQLaneStream<CudaHCQDevice> {
     const CudaProgram& cuda_program = program_of<CudaProgram>(program);
     cuda_program.check_counts(buffers.size(), values.size());
     std::vector<Allocation> allocations(buffers.size());
-    for (std::size_t i = 0; i < buffers.size(); ++i) {
-      check_buffer(buffers[i], "launch");
-      allocations[i] = buffers[i].allocation();
-    }
+    allocations_of(buffers, allocations, "launch");
     std::lock_guard lock(lane_.submit_mutex());
     prepare();
     auto reservation = lane_.reserve_timeline_value();

@@ -40,6 +40,7 @@ struct Settings {
   int cpu_threads = 0;                          // TINYDEV_CPU_THREADS; 0 = the core count
   int compile_timeout_s = 300;                  // TINYDEV_COMPILE_TIMEOUT: a compiler subprocess's limit
   std::string cuda_driver;                      // TINYDEV_CUDA_DRIVER: the driver library; "" = libcuda.so.1
+  std::string cuda_nvrtc;                       // TINYDEV_CUDA_NVRTC: the NVRTC library; "" = 13 or 12 by the driver and GPUs
   bool cuda_ptx = false;                        // TINYDEV_CUDA_PTX: compile CUDA to PTX (driver JIT), not CUBIN
   bool fatal_signal_messages = true;            // TINYDEV_FATAL_SIGNALS: name the kernel a fatal signal hit
   bool disk_io_uring = true;                    // TINYDEV_DISK_IO: auto (io_uring, else pread) or pread

@@ -147,12 +147,8 @@ class HCQLaneStream : public Stream {
       throw InvalidArgument(fmt::format(TINYDEV_FMT("{}: this graph was not made by this stream's create_graph: a "
                                                     "graph replays on the stream that made it"),
                                         *name_));
-    std::vector<Allocation> allocations;
-    allocations.reserve(inputs.size());
-    for (const Buffer& b : inputs) {
-      check_buffer(b, "replay");
-      allocations.push_back(b.allocation());
-    }
+    std::vector<Allocation> allocations(inputs.size());
+    allocations_of(inputs, allocations, "replay");
     std::lock_guard lock(lane_.submit_mutex());
     prepare();
     flush_waits();
@@ -233,6 +229,14 @@ class HCQLaneStream : public Stream {
     if (!b.is_allocated())
       throw InvalidArgument(fmt::format(TINYDEV_FMT("{}: {} of an unallocated buffer: allocate it first"), *name_,
                                         what));
+  }
+  // Checks each buffer (check_buffer, as `what`) and writes its allocation into `out`, which has
+  // room for all of them.
+  void allocations_of(std::span<const Buffer> buffers, std::span<Allocation> out, std::string_view what) const {
+    for (std::size_t i = 0; i < buffers.size(); ++i) {
+      check_buffer(buffers[i], what);
+      out[i] = buffers[i].allocation();
+    }
   }
   // Whether `graph` is one the lane's create_graph made (the backend's own graph type).
   virtual bool made_here(const Graph& graph) const noexcept = 0;

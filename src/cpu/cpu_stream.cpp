@@ -66,10 +66,7 @@ class CpuStream final : public HCQLaneStream<CpuHCQDevice> {
     const auto* cpu_program = &program_of<CpuProgram>(program);
     cpu_program->check_launch(buffers.size(), values.size(), params.global);  // at most kMaxKernelArgs in all
     Allocation allocations[kMaxKernelArgs];
-    for (std::size_t i = 0; i < buffers.size(); ++i) {
-      check_buffer(buffers[i], "launch");
-      allocations[i] = buffers[i].allocation();
-    }
+    allocations_of(buffers, allocations, "launch");
     std::lock_guard lock(lane_.submit_mutex());
     prepare();
     auto reservation = lane_.reserve_timeline_value();

@@ -91,6 +91,21 @@ extern "C" __global__ void __launch_bounds__(256) r_16_16_16(float* __restrict__
 }
 )";
 
+// Runs this binary's hidden test case tagged `tag` in a fresh process (what is loaded once per
+// process starts again there) with `env` set. Its exit status, or minus the signal that killed it.
+int run_probe(const char* tag, std::initializer_list<std::pair<const char*, std::string>> env) {
+  const pid_t child = ::fork();
+  if (child < 0) return 126;
+  if (child == 0) {
+    for (const auto& [name, value] : env) ::setenv(name, value.c_str(), 1);
+    ::execl("/proc/self/exe", "/proc/self/exe", "--warn", "NoTests", tag, static_cast<char*>(nullptr));
+    ::_exit(127);
+  }
+  int status = 0;
+  if (::waitpid(child, &status, 0) != child) return 126;
+  return WIFSIGNALED(status) ? -WTERMSIG(status) : WEXITSTATUS(status);
+}
+
 }  // namespace
 
 TEST_CASE("cuda compiler: CUDA C++ compiles to CUBIN for sm_80 and sm_90 without a GPU", "[cuda]") {
@@ -128,6 +143,50 @@ TEST_CASE("cuda compiler: invalid source is a CompileError carrying NVRTC's log"
     CHECK_THAT(std::string(e.what()), Catch::Contains("NVRTC could not compile the kernel for sm_90"));
     CHECK_THAT(e.log(), Catch::Contains(missing) && Catch::Contains("error"));
   }
+}
+
+TEST_CASE("cuda compiler: an architecture NVRTC does not compile for is a CompileError saying which NVRTC to use", "[cuda]") {
+  const std::string src = kernels::add_f32(SourceLanguage::CUDA, "old_" + std::to_string(fresh_seed() % 100000));
+  CHECK(cuda::CudaCompiler("sm_90", false).unsupported_reason().empty());
+  // Compute capability 3.0: neither NVRTC 12 nor 13 compiles for it; 99.0: no NVRTC yet.
+  const std::pair<const char*, const char*> cases[] = {{"sm_30", "CUDA 13 dropped GPUs older than compute capability 7.5"},
+                                                       {"sm_990", "this GPU is newer than this NVRTC"}};
+  for (const auto& [arch, why] : cases) {
+    INFO(arch);
+    cuda::CudaCompiler c(arch, false);
+    CHECK_THAT(c.unsupported_reason(), Catch::Contains(std::string("cannot compile for ") + arch) &&
+                                           Catch::Contains(why) && Catch::Contains("TINYDEV_CUDA_NVRTC"));
+    const auto before = DiskCache::global().stats();
+    CHECK_THROWS_AS(c.compile_cached(src), CompileError);
+    CHECK_THROWS_WITH(c.compile(src), Catch::Contains(std::string("cannot compile for ") + arch));
+    CHECK(DiskCache::global().stats().writes == before.writes);  // nothing cached for it
+  }
+}
+
+// Run by the TINYDEV_CUDA_NVRTC test below in a fresh process (NVRTC is loaded once per process).
+TEST_CASE("cuda compiler: NVRTC setting probe", "[.][probe][cuda-nvrtc-probe]") {
+  const std::string missing = "/nonexistent/libnvrtc_" + std::to_string(fresh_seed() % 1000000) + ".so";
+  {
+    ScopedOverride nvrtc("TINYDEV_CUDA_NVRTC", missing);
+    CHECK_THROWS_AS(cuda::CudaCompiler("sm_90", false), DeviceUnavailable);
+    CHECK_THROWS_WITH(cuda::CudaCompiler("sm_90", false),
+                      Catch::Contains("TINYDEV_CUDA_NVRTC='" + missing + "' cannot be opened") &&
+                          Catch::Contains("unset it"));
+  }
+  // Until a load succeeds each use reads the setting again: the toolkit's own library now loads.
+  const char* real = std::getenv("TINYDEV_TEST_REAL_NVRTC");
+  REQUIRE(real != nullptr);
+  ScopedOverride nvrtc("TINYDEV_CUDA_NVRTC", real);
+  cuda::CudaCompiler c("sm_90", false);
+  CHECK(c.nvrtc_library() == real);
+  CHECK(c.compile(kernels::add_f32(SourceLanguage::CUDA, "probe")).size() > 64);
+}
+
+TEST_CASE("cuda compiler: TINYDEV_CUDA_NVRTC picks the NVRTC library and a wrong path is DeviceUnavailable naming it", "[cuda]") {
+  // The library this process loaded (the default choice), handed to the child.
+  const std::string real = cuda::CudaCompiler("sm_90", false).nvrtc_library();
+  REQUIRE_FALSE(real.empty());
+  CHECK(run_probe("[cuda-nvrtc-probe]", {{"TINYDEV_TEST_REAL_NVRTC", real}}) == 0);
 }
 
 TEST_CASE("cuda compiler: a malformed architecture is InvalidArgument saying what to pass", "[cuda]") {
@@ -566,8 +625,9 @@ TEST_CASE("cuda fake: exit probe", "[.][probe][cuda-exit-probe]") {
   REQUIRE(WEXITSTATUS(status) == 0);
 }
 
-// Run by the version test below with FAKE_CUDA_DRIVER_VERSION=12040: the first open warns that
-// NVRTC 13's output needs a newer driver.
+// Run by the version test below with FAKE_CUDA_DRIVER_VERSION=12040 and
+// CUDA_DEVICE_MAX_CONNECTIONS=1: the first open warns that NVRTC 13's output needs a newer driver
+// and that one hardware queue can deadlock the queues' cross waits.
 TEST_CASE("cuda fake: version probe", "[.][probe][cuda-version-probe]") {
   std::mutex mutex;
   std::vector<std::string> warnings;
@@ -577,43 +637,62 @@ TEST_CASE("cuda fake: version probe", "[.][probe][cuda-version-probe]") {
   });
   REQUIRE(fake_hcq());
   set_log_sink(nullptr);
-  bool warned = false;
-  for (const std::string& w : warnings)
-    warned |= w.find("compiles for CUDA 13 drivers, and this driver is 12.4") != std::string::npos;
-  CHECK(warned);
+  bool warned_version = false, warned_connections = false;
+  for (const std::string& w : warnings) {
+    warned_version |= w.find("compiles for CUDA 13 drivers, and this driver is 12.4") != std::string::npos;
+    warned_connections |= w.find("CUDA_DEVICE_MAX_CONNECTIONS=1 puts every stream on one hardware queue") !=
+                          std::string::npos;
+  }
+  CHECK(warned_version == (cuda::CudaCompiler("sm_90", false).nvrtc_version().rfind("12.", 0) != 0));
+  CHECK(warned_connections);
 }
 
-TEST_CASE("cuda fake: NVRTC newer than the driver is a warning at the first open naming both", "[cuda][fake]") {
+TEST_CASE("cuda fake: NVRTC newer than the driver and CUDA_DEVICE_MAX_CONNECTIONS=1 are warnings at the first open", "[cuda][fake]") {
   if (!fake_gpu()) return;
-  const pid_t child = ::fork();
-  REQUIRE(child >= 0);
-  if (child == 0) {
-    ::setenv("FAKE_CUDA_DRIVER_VERSION", "12040", 1);
-    ::execl("/proc/self/exe", "/proc/self/exe", "--warn", "NoTests", "[cuda-version-probe]", static_cast<char*>(nullptr));
-    ::_exit(127);
+  CHECK(run_probe("[cuda-version-probe]", {{"FAKE_CUDA_DRIVER_VERSION", "12040"}, {"CUDA_DEVICE_MAX_CONNECTIONS", "1"}}) ==
+        0);
+}
+
+// Run by the old-GPU test below with FAKE_CUDA_COMPUTE_CAPABILITY=70 (a V100).
+TEST_CASE("cuda fake: old GPU probe", "[.][probe][cuda-old-gpu-probe]") {
+  Compiled* dev = fake_gpu();
+  REQUIRE(dev != nullptr);
+  const auto props = dev->properties();
+  CHECK(props.at("compute capability") == "7.0");
+  auto& compiler = dynamic_cast<cuda::CudaCompiler&>(dev->compiler());
+  CHECK(compiler.arch() == "sm_70");
+  const std::string src = kernels::add_f32(SourceLanguage::CUDA, "old_gpu");
+  if (compiler.nvrtc_version().rfind("12.", 0) == 0) {
+    // NVRTC 12 was there, and chosen for this GPU: it compiles for it.
+    CHECK(compiler.unsupported_reason().empty());
+    CHECK(compiler.compile(src).size() > 64);
+  } else {
+    CHECK_THAT(props.at("compiler"), Catch::StartsWith("none: NVRTC") && Catch::Contains("cannot compile for sm_70"));
+    CHECK_THROWS_WITH(dev->compiler().compile_cached(src),
+                      Catch::Contains("CUDA 13 dropped GPUs older than compute capability 7.5"));
+    // The device itself still works: memory, copies, and kernels compiled elsewhere.
+    std::vector<float> host = random_floats(1024, fresh_seed());
+    Buffer b(dev->name(), host.size(), dtypes::float32);
+    b.allocate();
+    b.copyin(std::as_bytes(std::span(host)));
+    std::vector<float> back(host.size());
+    b.copyout(std::as_writable_bytes(std::span(back)));
+    CHECK(back == host);
   }
-  int status = 0;
-  REQUIRE(::waitpid(child, &status, 0) == child);
-  REQUIRE(WIFEXITED(status));
-  CHECK(WEXITSTATUS(status) == 0);
+}
+
+TEST_CASE("cuda fake: a GPU older than NVRTC 13 supports gets NVRTC 12 or a compiler saying why it has none", "[cuda][fake]") {
+  if (!fake_gpu()) return;
+  CHECK(run_probe("[cuda-old-gpu-probe]", {{"FAKE_CUDA_COMPUTE_CAPABILITY", "70"}}) == 0);
 }
 
 TEST_CASE("cuda fake: a process that used two GPUs while profiling exits cleanly - and so does its forked child", "[cuda][fake]") {
   if (!fake_gpu()) return;
   TempDir dir;
   const std::string trace = dir.str() + "/exit.json";
-  const pid_t child = ::fork();
-  REQUIRE(child >= 0);
-  if (child == 0) {
-    ::setenv("TINYDEV_PROFILE", trace.c_str(), 1);
-    ::execl("/proc/self/exe", "/proc/self/exe", "--warn", "NoTests", "[cuda-exit-probe]", static_cast<char*>(nullptr));
-    ::_exit(127);
-  }
-  int status = 0;
-  REQUIRE(::waitpid(child, &status, 0) == child);
-  INFO("a signal number here is a crash at exit: " << (WIFSIGNALED(status) ? WTERMSIG(status) : 0));
-  REQUIRE(WIFEXITED(status));
-  CHECK(WEXITSTATUS(status) == 0);
+  const int status = run_probe("[cuda-exit-probe]", {{"TINYDEV_PROFILE", trace}});
+  INFO("a negative status is a crash at exit, minus the signal number");
+  REQUIRE(status == 0);
   std::ifstream in(trace);
   const std::string profile((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   CHECK_THAT(profile, Catch::Contains("\"CUDA\"") && Catch::Contains("\"CUDA:1\"") && Catch::Contains("add"));

@@ -500,8 +500,13 @@ CUresult CUDAAPI cuDeviceGetName(char* name, int len, CUdevice device) {
 
 CUresult CUDAAPI cuDeviceGetAttribute(int* value, CUdevice_attribute attribute, CUdevice) {
   switch (attribute) {
-    case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR: *value = 9; break;
-    case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR: *value = 0; break;
+    // FAKE_CUDA_COMPUTE_CAPABILITY=70 makes every GPU a 7.0 (default 9.0).
+    case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR:
+      *value = static_cast<int>(env_number("FAKE_CUDA_COMPUTE_CAPABILITY", 90) / 10);
+      break;
+    case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR:
+      *value = static_cast<int>(env_number("FAKE_CUDA_COMPUTE_CAPABILITY", 90) % 10);
+      break;
     case CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT: *value = 132; break;
     case CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS: *value = memops_supported() ? 1 : 0; break;
     case CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING: *value = 1; break;
