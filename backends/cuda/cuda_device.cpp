@@ -119,32 +119,14 @@ void check_pools(const Queue& queue, const CudaHCQDevice& device) {
                                         device.name(), pool->name()));
 }
 
-// The fallback signal and wait (no 64-bit stream memory operations): host functions on the
-// stream. Each record is freed by the callback that consumes it.
-struct HostSignal {
-  SignalSlot* slot;
-  std::uint64_t value;
-};
-void CUDA_CB host_signal(void* data) {
-  auto* s = static_cast<HostSignal*>(data);
-  s->slot->store(s->value);
-  delete s;
-}
-void CUDA_CB host_wait(void* data) {
-  auto* s = static_cast<HostSignal*>(data);
-  while (s->slot->value.load(std::memory_order_acquire) < s->value && !s->slot->poisoned.load()) {
-    try {
-      wait_signal_slot(*s->slot, s->value, std::chrono::hours(1), nullptr);
-    } catch (const std::exception&) {
-      break;  // poisoned: let the stream go on; whoever waits downstream sees the poison
-    }
-  }
-  delete s;
-}
-
-// tinydev_timestamp(u64* out): *out = %globaltimer (ns). PTX, so the driver JITs it for any GPU.
-constexpr char kTimestampPtx[] = R"(.version 8.0
-.target sm_75
+// The queue kernels, one thread each. PTX, so the driver JITs them for any GPU it supports.
+// tinydev_timestamp(u64* out): *out = %globaltimer (ns).
+// tinydev_signal(u64* word, u64 value): makes the work before it visible system-wide, then stores.
+// tinydev_wait(u64* word, u64 value): spins until (s64)(*word - value) >= 0, the GEQ of
+// cuStreamWaitValue64, reading the word from memory each time (volatile: pinned host memory that
+// the host or another GPU writes).
+constexpr char kQueuePtx[] = R"(.version 8.0
+.target sm_50
 .address_size 64
 .visible .entry tinydev_timestamp(.param .u64 out)
 {
@@ -152,6 +134,30 @@ constexpr char kTimestampPtx[] = R"(.version 8.0
   ld.param.u64 %rd1, [out];
   mov.u64 %rd2, %globaltimer;
   st.volatile.u64 [%rd1], %rd2;
+  ret;
+}
+.visible .entry tinydev_signal(.param .u64 word, .param .u64 value)
+{
+  .reg .b64 %rd<3>;
+  ld.param.u64 %rd1, [word];
+  ld.param.u64 %rd2, [value];
+  membar.sys;
+  st.volatile.u64 [%rd1], %rd2;
+  membar.sys;
+  ret;
+}
+.visible .entry tinydev_wait(.param .u64 word, .param .u64 value)
+{
+  .reg .b64 %rd<5>;
+  .reg .pred %p;
+  ld.param.u64 %rd1, [word];
+  ld.param.u64 %rd2, [value];
+POLL:
+  ld.volatile.u64 %rd3, [%rd1];
+  sub.s64 %rd4, %rd3, %rd2;
+  setp.lt.s64 %p, %rd4, 0;
+  @%p bra POLL;
+  membar.sys;
   ret;
 }
 )";
@@ -627,11 +633,11 @@ void CudaHCQDevice::submit_commands(CudaLane lane, std::span<const CudaCommand> 
         if (c.kind == CommandKind::wait) note_gpu_wait(c.slot, c.value);
         if (!s.memops) {
           flush();
-          auto* record = new HostSignal{c.slot, c.value};
-          const CUresult r =
-              s.api.cuLaunchHostFunc(stream, c.kind == CommandKind::signal ? &host_signal : &host_wait, record);
-          if (r != CUDA_SUCCESS) delete record;
-          issue(r, "cuLaunchHostFunc", i);
+          const std::uint64_t args[2] = {static_cast<std::uint64_t>(address), c.value};
+          issue(static_cast<CUresult>(launch(s, c.kind == CommandKind::signal ? s.signal : s.wait, stream,
+                                             reinterpret_cast<const std::byte*>(args), sizeof args, {1, 1, 1},
+                                             {1, 1, 1})),
+                c.kind == CommandKind::signal ? "launching the signal kernel" : "launching the wait kernel", i);
           break;
         }
         if (batched == batch.size()) flush();
@@ -902,14 +908,14 @@ std::map<std::string, std::string> CudaHCQDevice::properties() const {
   props["compute capability"] = fmt::format("{}.{}", s.major, s.minor);
   props["memory"] = fmt::format("{:.1f} GiB", static_cast<double>(memory) / (1ull << 30));
   props["multiprocessors"] = std::to_string(attribute(s, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, "SMs"));
-  props["64-bit stream memory operations"] = s.memops ? "yes" : "no (signals and waits run as host functions)";
+  props["64-bit stream memory operations"] = s.memops ? "yes" : "no (signals and waits run as one-thread kernels)";
   const std::string unsupported = compiler.unsupported_reason();
   props["compiler"] = unsupported.empty() ? fmt::format("NVRTC {} to {} for {}", compiler.nvrtc_version(),
                                                         compiler.ptx() ? "PTX (driver JIT)" : "CUBIN", compiler.arch())
                                           : "none: " + unsupported;
   props["driver"] = fmt::format("{}.{} ({})", s.api.version / 1000, s.api.version % 1000 / 10, s.api.path);
   props["queues"] = fmt::format("HCQ: compute + copy streams, signals by {}",
-                                s.memops ? "stream memory operations" : "host functions");
+                                s.memops ? "stream memory operations" : "one-thread kernels");
   props["kernel signatures"] = s.api.cuFuncGetParamInfo
                                    ? "checked at launch (cuFuncGetParamInfo)"
                                    : "not checked: the driver has no cuFuncGetParamInfo (CUDA 12.4 and later)";
@@ -968,8 +974,8 @@ void release_at_exit() {
 }
 
 // Retains the GPU's primary context and makes the state's two streams, its two timing events and,
-// with `load_timestamp`, the timestamp kernel; on a failure undoes what it made and throws.
-void retain_context_and_queues(DeviceState& state, bool load_timestamp) {
+// with `load_kernels`, the queue kernels; on a failure undoes what it made and throws.
+void retain_context_and_queues(DeviceState& state, bool load_kernels) {
   const Driver& api = state.api;
   const std::string& name = state.name;
   check(api.cuDevicePrimaryCtxRetain(&state.context, state.device), "cuDevicePrimaryCtxRetain", name);
@@ -979,13 +985,15 @@ void retain_context_and_queues(DeviceState& state, bool load_timestamp) {
     check(api.cuStreamCreate(&state.copy, CU_STREAM_NON_BLOCKING), "cuStreamCreate", name);
     check(api.cuEventCreate(&state.start, CU_EVENT_DEFAULT), "cuEventCreate", name);
     check(api.cuEventCreate(&state.end, CU_EVENT_DEFAULT), "cuEventCreate", name);
-    if (load_timestamp) {
-      check(api.cuModuleLoadData(&state.timestamp_module, kTimestampPtx), "loading the timestamp kernel", name);
-      check(api.cuModuleGetFunction(&state.timestamp, state.timestamp_module, "tinydev_timestamp"),
-            "finding the timestamp kernel", name);
+    if (load_kernels) {
+      check(api.cuModuleLoadData(&state.queue_module, kQueuePtx), "loading the queue kernels", name);
+      const std::pair<CUfunction*, const char*> kernels[] = {
+          {&state.timestamp, "tinydev_timestamp"}, {&state.signal, "tinydev_signal"}, {&state.wait, "tinydev_wait"}};
+      for (const auto& [function, kernel] : kernels)
+        check(api.cuModuleGetFunction(function, state.queue_module, kernel), fmt::format("finding {}", kernel), name);
     }
   } catch (...) {
-    if (state.timestamp_module) api.cuModuleUnload(state.timestamp_module);
+    if (state.queue_module) api.cuModuleUnload(state.queue_module);
     if (state.end) api.cuEventDestroy(state.end);
     if (state.start) api.cuEventDestroy(state.start);
     if (state.copy) api.cuStreamDestroy(state.copy);
@@ -1043,14 +1051,16 @@ std::shared_ptr<DeviceState> open_state(const std::string& name) {
   state->memops = attribute(*state, CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS, "stream mem ops") != 0;
   if (!attribute(*state, CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING, "unified addressing"))
     throw DeviceUnavailable(fmt::format("{}: the GPU has no unified addressing, which tinydev's CUDA queues need", name));
-  retain_context_and_queues(*state, /*load_timestamp=*/true);
+  retain_context_and_queues(*state, /*load_kernels=*/true);
   return state;
 }
 
 }  // namespace
 
 // A stream's lane (Note [CUDA streams]): the parent's GPU and context (retained once more, so
-// release at exit stays balanced), its timestamp kernel, and two non-blocking streams of its own.
+// release at exit stays balanced), its queue kernels, and two non-blocking streams of its own.
+std::string_view queue_kernels_ptx() noexcept { return kQueuePtx; }
+
 std::shared_ptr<DeviceState> open_lane_state(const DeviceState& parent, const std::string& name) {
   const Driver& api = parent.api;
   auto state = std::make_shared<DeviceState>(api, name);
@@ -1059,8 +1069,11 @@ std::shared_ptr<DeviceState> open_lane_state(const DeviceState& parent, const st
   state->major = parent.major;
   state->minor = parent.minor;
   state->memops = parent.memops;
-  state->timestamp = parent.timestamp;  // the parent's module, which lives as long as the process
-  retain_context_and_queues(*state, /*load_timestamp=*/false);
+  // The parent's queue kernels: its module lives as long as the process.
+  state->timestamp = parent.timestamp;
+  state->signal = parent.signal;
+  state->wait = parent.wait;
+  retain_context_and_queues(*state, /*load_kernels=*/false);
   return state;
 }
 

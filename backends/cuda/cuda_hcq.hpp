@@ -12,8 +12,13 @@
 // live in pinned, device-mapped host memory shared by every CUDA device (one pool), so a GPU
 // reads and writes them directly and one device's queue can wait on another's signals. A GPU's
 // write wakes no host thread: host waiters poll (Note [Polled signals] in tinydev/signal.hpp).
-// Where the device lacks 64-bit stream memory operations, signal and wait fall back to host
-// functions on the stream (cuLaunchHostFunc), slower but with the same semantics.
+// Where the device lacks 64-bit stream memory operations, signal and wait fall back to
+// one-thread kernels on the stream (tinydev_signal stores the value after a system-wide fence,
+// tinydev_wait polls the word until GEQ), with the same semantics: the GPU waits, no host thread
+// does. Not host functions (cuLaunchHostFunc): the driver may run every stream's host functions
+// on one thread, so a wait blocking there would keep another stream's signal from ever running,
+// and the driver forbids host functions to wait for other streams' work. Not events either: an
+// event cannot stand for a value the host sets, or for a signal not yet submitted.
 //
 // Note [CUDA failures]
 // A driver call that fails while a queue is submitted poisons every signal the rest of that queue
@@ -292,6 +297,9 @@ class CudaHCQDevice final : public HCQCompiled<CudaComputeQueue, CudaCopyQueue> 
 std::shared_ptr<Stream> make_cuda_stream(CudaHCQDevice& device, CudaHCQDevice& lane, const StreamOptions& options);
 // Whether `graph` is a native graph `device`'s create_graph made (cuda_graph.cpp).
 bool is_cuda_graph_of(const Graph& graph, const CudaHCQDevice& device) noexcept;
+// The PTX of the queue kernels every device loads at open (tinydev_timestamp, tinydev_signal,
+// tinydev_wait; Note [CUDA queues]), for the tests to assemble where no GPU can load it.
+std::string_view queue_kernels_ptx() noexcept;
 
 }  // namespace tinydev::cuda
 

@@ -25,8 +25,11 @@ struct DeviceState {
   CUcontext context = nullptr;
   CUstream compute = nullptr, copy = nullptr;  // non-blocking streams, one per lane
   CUevent start = nullptr, end = nullptr;      // for timed direct launches
-  CUmodule timestamp_module = nullptr;
-  CUfunction timestamp = nullptr;  // tinydev_timestamp(u64*): stores %globaltimer
+  CUmodule queue_module = nullptr;  // the queue kernels below (kQueuePtx in cuda_device.cpp)
+  CUfunction timestamp = nullptr;    // tinydev_timestamp(u64*): stores %globaltimer
+  // Without 64-bit stream memory operations (Note [CUDA queues]): tinydev_signal(u64*, u64) stores
+  // the value; tinydev_wait(u64*, u64) spins until the word is at least the value.
+  CUfunction signal = nullptr, wait = nullptr;
   int major = 0, minor = 0;        // compute capability, read once at open
   bool memops = false;             // CAN_USE_64_BIT_STREAM_MEM_OPS
   std::atomic<bool> released{false};  // Note [CUDA at exit]

@@ -5,7 +5,10 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <fmt/format.h>
+
 #include <atomic>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <iterator>
@@ -187,6 +190,33 @@ TEST_CASE("cuda compiler: TINYDEV_CUDA_NVRTC picks the NVRTC library and a wrong
   const std::string real = cuda::CudaCompiler("sm_90", false).nvrtc_library();
   REQUIRE_FALSE(real.empty());
   CHECK(run_probe("[cuda-nvrtc-probe]", {{"TINYDEV_TEST_REAL_NVRTC", real}}) == 0);
+}
+
+TEST_CASE("cuda: the queue kernels' PTX assembles for sm_75 and sm_90 (ptxas)", "[cuda]") {
+  // Every device loads this PTX at open; a GPU is the only other place a mistake in it would show.
+  std::string ptxas;
+  for (const char* candidate : {"/usr/local/cuda/bin/ptxas", "/opt/cuda/bin/ptxas"})
+    if (::access(candidate, X_OK) == 0) {
+      ptxas = candidate;
+      break;
+    }
+  if (ptxas.empty()) {
+    skip("no ptxas (the CUDA toolkit's PTX assembler) in /usr/local/cuda/bin or /opt/cuda/bin");
+    return;
+  }
+  TempDir dir;
+  const std::string source = dir.str() + "/queue.ptx";
+  std::ofstream(source) << cuda::queue_kernels_ptx();
+  for (const char* arch : {"sm_75", "sm_90"}) {
+    INFO(arch);
+    const std::string command = fmt::format("'{}' -arch={} '{}' -o '{}/queue_{}.cubin' 2>&1", ptxas, arch, source,
+                                            dir.str(), arch);
+    CHECK(std::system(command.c_str()) == 0);
+    std::ifstream cubin(dir.str() + "/queue_" + arch + ".cubin", std::ios::binary);
+    const std::string image((std::istreambuf_iterator<char>(cubin)), std::istreambuf_iterator<char>());
+    for (const char* kernel : {"tinydev_timestamp", "tinydev_signal", "tinydev_wait"})
+      CHECK_THAT(image, Catch::Contains(kernel));
+  }
 }
 
 TEST_CASE("cuda compiler: a malformed architecture is InvalidArgument saying what to pass", "[cuda]") {
@@ -742,17 +772,33 @@ TEST_CASE("cuda fake: transfer between GPUs without peer access is staged and st
   CHECK_FALSE(fake_peer_enabled(1, 0));
 }
 
-TEST_CASE("cuda fake: without 64-bit stream memory operations signals and waits run as host functions", "[cuda][fake]") {
+TEST_CASE("cuda fake: without 64-bit stream memory operations signals and waits run as one-thread kernels", "[cuda][fake]") {
   FakeEnv no_memops("FAKE_CUDA_NO_MEMOPS", "1");  // read when the device opens
   auto* dev = fake_hcq();
   if (!dev) return;
   CHECK_THAT(dev->properties().at("64-bit stream memory operations"), Catch::StartsWith("no"));
+  const long memops_before = fake_calls("cuStreamBatchMemOp") + fake_calls("cuStreamWaitValue64") +
+                             fake_calls("cuStreamWriteValue64");
+  const long kernels_before = fake_calls("cuLaunchKernel");
   Signal gate = dev->alloc_signal(0), done = dev->alloc_signal(0);
   dev->compute_queue().wait(gate, 2).signal(done, 5).submit(*dev);
   std::this_thread::sleep_for(std::chrono::milliseconds(20));
   CHECK(done.value() == 0);
-  gate.set(2);
+  gate.set(2);  // a value the host sets, which no event could stand for
   done.wait(5, std::chrono::seconds(5));
+  CHECK(fake_calls("cuLaunchKernel") - kernels_before >= 2);
+  // Cross waits between the two streams, each wait submitted before the signal it waits for (the
+  // order that deadlocks waits run as host functions on the driver's one callback thread).
+  Signal ping = dev->alloc_signal(0), pong = dev->alloc_signal(0);
+  const std::uint64_t rounds = 20;
+  for (std::uint64_t r = 1; r <= rounds; ++r) {
+    dev->compute_queue().wait(pong, r).signal(ping, r).submit(*dev);
+    dev->copy_queue().signal(pong, r).wait(ping, r).submit(*dev);
+  }
+  ping.wait(rounds, std::chrono::seconds(10));
+  CHECK(ping.value() == rounds);
+  CHECK(fake_calls("cuStreamBatchMemOp") + fake_calls("cuStreamWaitValue64") + fake_calls("cuStreamWriteValue64") ==
+        memops_before);
   const auto data = random_bytes((2u << 20) + 7, fresh_seed());
   Buffer b(dev->name(), data.size(), dtypes::uint8);
   b.allocate().copyin(data);

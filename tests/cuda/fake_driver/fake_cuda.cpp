@@ -78,8 +78,10 @@ using HostKernel = void (*)(const std::byte* params, std::size_t size, Dim grid,
 struct KernelInfo {
   HostKernel run;
   std::vector<std::size_t> params;  // the parameters' sizes, each at its natural alignment (cuFuncGetParamInfo)
-  // The leading 8-byte (pointer) parameters, checked before the kernel runs.
+  int leading_pointers = -1;  // how many parameters are pointers; -1: every leading 8-byte one
+  // The leading pointer parameters, checked before the kernel runs.
   int pointers() const {
+    if (leading_pointers >= 0) return leading_pointers;
     int n = 0;
     while (n < static_cast<int>(params.size()) && params[static_cast<std::size_t>(n)] == 8) ++n;
     return n;
@@ -328,6 +330,14 @@ void fill_kernel(const std::byte* p, std::size_t, Dim grid, Dim block) {
 // odd(int n, float* p): a value before a pointer, which tinydev's packed arguments cannot pass.
 // nop(): nothing, without parameters.
 void nothing_kernel(const std::byte*, std::size_t, Dim, Dim) {}
+// The backend's signal kernel: *(u64*)word = value, as cuStreamWriteValue64 would.
+void signal_kernel(const std::byte* p, std::size_t, Dim, Dim) {
+  write_value(param<std::uint64_t>(p, 0), param<std::uint64_t>(p, 8));
+}
+// The backend's wait kernel: polls *(u64*)word until GEQ value, as cuStreamWaitValue64 would.
+void wait_kernel(const std::byte* p, std::size_t, Dim, Dim) {
+  wait_value(param<std::uint64_t>(p, 0), param<std::uint64_t>(p, 8));
+}
 // The backend's timestamp kernel: *(u64*)p = %globaltimer (here the host's steady clock, in ns).
 void timestamp_kernel(const std::byte* p, std::size_t, Dim, Dim) {
   const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
@@ -341,7 +351,8 @@ const std::map<std::string, KernelInfo, std::less<>>& kernels() {
       {"pong", {&inc_kernel, {8, 8}}},          {"scale", {&scale_kernel, {8, 8, 4, 4}}},
       {"fill", {&fill_kernel, {8, 4}}},         {"odd", {&nothing_kernel, {4, 8}}},
       {"nop", {&nothing_kernel, {}}},
-      {"tinydev_timestamp", {&timestamp_kernel, {8}}}};
+      {"tinydev_timestamp", {&timestamp_kernel, {8}}},
+      {"tinydev_signal", {&signal_kernel, {8, 8}, 1}},  {"tinydev_wait", {&wait_kernel, {8, 8}, 1}}};
   return *k;
 }
 
@@ -769,15 +780,6 @@ CUresult CUDAAPI cuLaunchKernel(CUfunction function, unsigned int gx, unsigned i
   FakeDevice* device = t_current;
   return submit(stream, [f, device, args = std::move(args), grid = Dim{gx, gy, gz}, block = Dim{bx, by, bz}] {
     return run_kernel(*f, *device, args, grid, block);
-  });
-}
-
-CUresult CUDAAPI cuLaunchHostFunc(CUstream stream, CUhostFn fn, void* data) {
-  FAKE_INJECT(cuLaunchHostFunc);
-  FAKE_STICKY();
-  return submit(stream, [=] {
-    fn(data);
-    return CUDA_SUCCESS;
   });
 }
 
