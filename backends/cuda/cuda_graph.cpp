@@ -16,6 +16,17 @@
 // A copy of 0 bytes is an empty node (the driver takes no zero-length copy node), and a kernel
 // without parameters gets no argument buffer.
 //
+// Note [CUDA graph instances]
+// Patching costs a driver call per changed node, which on a GPU can cost more than the launch.
+// Servers often replay with a few input sets that come back (double-buffered inputs, buffers the
+// LRU cache hands out again), so a graph keeps up to kMaxInstances executable graphs of its one
+// CUDA graph, each remembering the inputs and variables it was last patched for. A replay whose
+// inputs an instance holds launches that instance and patches nothing. Otherwise it patches the
+// least recently launched instance, unless its inputs were among the last kRecentInputSets
+// replays' (they come back) and there is room: then it instantiates one more for them. Inputs
+// seen once are patched in, never instantiated, so a stream of new buffers costs no instantiation
+// and no memory. A rebuild (other overlaps, a refused patch) drops every instance.
+//
 // Note [CUDA graph dependencies]
 // Each node depends only on the earlier nodes its memory conflicts with, as in tinygrad's CUDA
 // graph, so the GPU may run nodes that share no memory at once. A copy writes its destination and
@@ -31,6 +42,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <array>
 #include <cstring>
 #include <map>
 #include <string>
@@ -47,6 +59,7 @@ namespace {
 class CudaGraph final : public Graph {
  public:
   CudaGraph(CudaHCQDevice& device, std::vector<GraphNode> nodes) : Graph(std::move(nodes)), device_(device) {
+    instances_.reserve(kMaxInstances);
     find_uses();
     for (std::size_t i = 0; i < nodes_.size(); ++i) {
       const auto* k = std::get_if<GraphKernel>(&nodes_[i]);
@@ -89,25 +102,11 @@ class CudaGraph final : public Graph {
     const DeviceState& s = device_.state();
     s.make_current();
     if (device_.profiling()) return replay_node_by_node(inputs, variables, wait);
-    if (!exec_) {
-      build(inputs, variables);
-    } else if (!same_as_last(inputs, variables)) {
-      // Until this replay's patches all landed, no earlier replay's inputs describe the graph.
-      last_inputs_.clear();
-      last_variables_.clear();
-      if (overlaps(inputs) != overlaps_) {
-        debug_log(2, s.name, "graph replay: the inputs overlap other buffers differently than when the graph was "
-                             "built: building it again (Note [CUDA graph dependencies])");
-        destroy();
-        build(inputs, variables);
-      } else if (!patch(inputs, variables)) {
-        destroy();
-        build(inputs, variables);
-      }
-    }
-    remember(inputs, variables);
-    auto work = [&](void* stream) { return static_cast<int>(s.api.cuGraphLaunch(exec_, static_cast<CUstream>(stream))); };
+    Instance& instance = instance_for(inputs, variables);
+    const CUgraphExec exec = instance.exec;
+    auto work = [&](void* stream) { return static_cast<int>(s.api.cuGraphLaunch(exec, static_cast<CUstream>(stream))); };
     const std::optional<double> seconds = device_.run_ordered(work, launch_what_, wait);
+    instance.launched = ++launches_;
     replayed_ = true;
     return seconds;
   }
@@ -146,30 +145,102 @@ class CudaGraph final : public Graph {
     return seconds;
   }
 
-  // Whether this replay's inputs and variables are the last replay's (then nothing is patched).
-  bool same_as_last(std::span<const Allocation> inputs, std::span<const std::int32_t> variables) const {
-    if (inputs.size() != last_inputs_.size() || !std::equal(variables.begin(), variables.end(), last_variables_.begin(),
-                                                            last_variables_.end()))
+  // ---- Note [CUDA graph instances] ----
+  static constexpr std::size_t kMaxInstances = 4;
+  static constexpr std::size_t kRecentInputSets = 8;
+
+  struct Instance {
+    CUgraphExec exec = nullptr;
+    std::vector<std::vector<std::byte>> args;                     // per kernel node, as patched last
+    std::vector<std::pair<std::uint64_t, std::uint64_t>> copies;  // per copy node: (dest, src)
+    // The inputs (address, size: overlaps depend on sizes too) and variables it was patched for;
+    // `complete` false while a patch has not fully landed (it then describes no inputs).
+    std::vector<std::pair<std::uint64_t, std::uint64_t>> inputs;
+    std::vector<std::int32_t> variables;
+    bool complete = false;
+    std::uint64_t launched = 0;  // launches_ when it was last launched
+  };
+
+  static bool describes(const Instance& instance, std::span<const Allocation> inputs,
+                        std::span<const std::int32_t> variables) {
+    if (!instance.complete || inputs.size() != instance.inputs.size() ||
+        !std::equal(variables.begin(), variables.end(), instance.variables.begin(), instance.variables.end()))
       return false;
-    for (std::size_t i = 0; i < inputs.size(); ++i)  // sizes too: overlaps depend on them
-      if (inputs[i].va_addr != last_inputs_[i].first || inputs[i].size != last_inputs_[i].second) return false;
+    for (std::size_t i = 0; i < inputs.size(); ++i)
+      if (inputs[i].va_addr != instance.inputs[i].first || inputs[i].size != instance.inputs[i].second) return false;
     return true;
   }
-  void remember(std::span<const Allocation> inputs, std::span<const std::int32_t> variables) {
-    last_inputs_.resize(inputs.size());
-    for (std::size_t i = 0; i < inputs.size(); ++i) last_inputs_[i] = {inputs[i].va_addr, inputs[i].size};
-    last_variables_.assign(variables.begin(), variables.end());
+  static void remember(Instance& instance, std::span<const Allocation> inputs, std::span<const std::int32_t> variables) {
+    instance.inputs.resize(inputs.size());
+    for (std::size_t i = 0; i < inputs.size(); ++i) instance.inputs[i] = {inputs[i].va_addr, inputs[i].size};
+    instance.variables.assign(variables.begin(), variables.end());
+    instance.complete = true;
+  }
+  static std::uint64_t key_of(std::span<const Allocation> inputs, std::span<const std::int32_t> variables) {
+    std::uint64_t h = 0xcbf29ce484222325ull;  // FNV-1a over the words; a collision only instantiates early
+    const auto mix = [&](std::uint64_t v) { h = (h ^ v) * 0x100000001b3ull; };
+    for (const Allocation& a : inputs) {
+      mix(a.va_addr);
+      mix(a.size);
+    }
+    for (const std::int32_t v : variables) mix(static_cast<std::uint32_t>(v));
+    return h;
+  }
+
+  // The instance to launch for these inputs: one that holds them, or one patched or made for them
+  // (the graph built first, or again when the overlaps changed or the driver refused a patch).
+  Instance& instance_for(std::span<const Allocation> inputs, std::span<const std::int32_t> variables) {
+    const DeviceState& s = device_.state();
+    for (Instance& instance : instances_)
+      if (describes(instance, inputs, variables)) return instance;
+    const std::uint64_t key = key_of(inputs, variables);
+    const bool recurring = std::find(recent_.begin(), recent_.end(), key) != recent_.end();
+    recent_[recent_next_] = key;
+    recent_next_ = (recent_next_ + 1) % recent_.size();
+    if (!graph_) {
+      build(inputs, variables);
+      return instances_.front();
+    }
+    if (overlaps(inputs) != overlaps_) {
+      debug_log(2, s.name, "graph replay: the inputs overlap other buffers differently than when the graph was "
+                           "built: building it again (Note [CUDA graph dependencies])");
+      destroy();
+      build(inputs, variables);
+      return instances_.front();
+    }
+    Instance* target = nullptr;
+    if (recurring && instances_.size() < kMaxInstances) {
+      target = &instantiate();
+      debug_log(2, s.name, "graph replay: inputs seen again: a graph instance of their own ({} of at most {})",
+                instances_.size(), kMaxInstances);
+    } else {
+      target = &*std::min_element(instances_.begin(), instances_.end(),
+                                  [](const Instance& a, const Instance& b) { return a.launched < b.launched; });
+    }
+    if (!patch(*target, inputs, variables)) {
+      destroy();
+      build(inputs, variables);
+      return instances_.front();
+    }
+    remember(*target, inputs, variables);
+    return *target;
   }
 
   // The node's arguments for this replay, packed (8-byte addresses, then 4-byte values).
   std::vector<std::byte> pack(const GraphKernel& k, std::span<const Allocation> inputs,
                               std::span<const std::int32_t> variables) const {
-    std::vector<std::byte> packed(Kernargs::bytes_for(k.buffers.size(), k.values.size()));
+    std::vector<std::byte> packed;
+    pack_into(packed, k, inputs, variables);
+    return packed;
+  }
+  // The same into `packed`, reusing its memory (a patch packs every node: no allocation each).
+  void pack_into(std::vector<std::byte>& packed, const GraphKernel& k, std::span<const Allocation> inputs,
+                 std::span<const std::int32_t> variables) const {
+    packed.resize(Kernargs::bytes_for(k.buffers.size(), k.values.size()));
     const Kernargs args{packed.data(), static_cast<std::uint32_t>(k.buffers.size()),
                         static_cast<std::uint32_t>(k.values.size())};
     for (std::size_t i = 0; i < k.buffers.size(); ++i) args.set_buffer(i, resolve(k.buffers[i], inputs).va_addr);
     for (std::size_t i = 0; i < k.values.size(); ++i) args.set_value(i, resolve(k.values[i], variables));
-    return packed;
   }
 
   // ---- Note [CUDA graph dependencies] ----
@@ -228,8 +299,10 @@ class CudaGraph final : public Graph {
     return pairs;
   }
 
-  // Each node's dependencies (indices of earlier nodes) for this replay's inputs.
-  std::vector<std::vector<std::size_t>> dependencies(std::span<const Allocation> inputs) const {
+  // Each node's dependencies (indices of earlier nodes) for this replay's inputs, whose overlaps()
+  // are `input_overlaps`.
+  std::vector<std::vector<std::size_t>> dependencies(
+      std::span<const Allocation> inputs, const std::vector<std::pair<std::uint32_t, std::uint32_t>>& input_overlaps) const {
     const std::size_t all = fixed_.size() + inputs.size();
     std::vector<std::vector<std::uint32_t>> overlapping(all);
     for (std::uint32_t r = 0; r < all; ++r) overlapping[r].push_back(r);
@@ -240,7 +313,7 @@ class CudaGraph final : public Graph {
     for (std::uint32_t b = 0; b < fixed_.size(); ++b)
       for (std::uint32_t a = 0; a < b; ++a)
         if (overlap(range(a, inputs), range(b, inputs))) link(a, b);
-    for (const auto& [a, b] : overlaps(inputs)) link(a, b);
+    for (const auto& [a, b] : input_overlaps) link(a, b);
     constexpr std::size_t kNone = ~std::size_t{0};
     std::vector<std::size_t> last_writer(all, kNone);
     std::vector<std::vector<std::size_t>> readers(all);
@@ -266,21 +339,35 @@ class CudaGraph final : public Graph {
     return deps;
   }
 
-  // Destroys the instantiated graph and the graph (a launch still running finishes first).
+  // Destroys the instantiated graphs and the graph (a launch still running finishes first).
   void destroy() {
     const DeviceState& s = device_.state();
-    if (exec_) s.api.cuGraphExecDestroy(exec_);
+    for (const Instance& instance : instances_) s.api.cuGraphExecDestroy(instance.exec);
+    instances_.clear();
     if (graph_) s.api.cuGraphDestroy(graph_);
-    exec_ = nullptr;
     graph_ = nullptr;
   }
 
-  // Fills `p` for kernel node `i`; `extra` and `size` must outlive the driver call that reads it.
-  void kernel_params(std::size_t i, CUDA_KERNEL_NODE_PARAMS& p, void* (&extra)[5], std::size_t& size) {
+  // One more executable graph of graph_, holding the arguments the graph was built with (then
+  // patched by the caller). Throws what the driver says.
+  Instance& instantiate() {
+    const DeviceState& s = device_.state();
+    Instance instance;
+    check(s.api.cuGraphInstantiate(&instance.exec, graph_, 0), "cuGraphInstantiate", s.name);
+    instance.args = built_args_;
+    instance.copies = built_copies_;
+    instances_.push_back(std::move(instance));
+    return instances_.back();
+  }
+
+  // Fills `p` for kernel node `i` with arguments `args`; `extra` and `size` must outlive the
+  // driver call that reads it.
+  void kernel_params(std::size_t i, const std::vector<std::byte>& args, CUDA_KERNEL_NODE_PARAMS& p,
+                     void* (&extra)[5], std::size_t& size) {
     const auto& k = std::get<GraphKernel>(nodes_[i]);
-    size = args_[i].size();
+    size = args.size();
     extra[0] = CU_LAUNCH_PARAM_BUFFER_POINTER;
-    extra[1] = args_[i].data();
+    extra[1] = const_cast<std::byte*>(args.data());
     extra[2] = CU_LAUNCH_PARAM_BUFFER_SIZE;
     extra[3] = &size;
     extra[4] = CU_LAUNCH_PARAM_END;
@@ -309,11 +396,11 @@ class CudaGraph final : public Graph {
 
   void build(std::span<const Allocation> inputs, std::span<const std::int32_t> variables) {
     const DeviceState& s = device_.state();
-    args_.assign(nodes_.size(), {});
-    copies_.assign(nodes_.size(), {0, 0});
+    built_args_.assign(nodes_.size(), {});
+    built_copies_.assign(nodes_.size(), {0, 0});
     handles_.assign(nodes_.size(), nullptr);
-    const std::vector<std::vector<std::size_t>> dependencies = this->dependencies(inputs);
     overlaps_ = overlaps(inputs);
+    const std::vector<std::vector<std::size_t>> dependencies = this->dependencies(inputs, overlaps_);
     std::size_t edges = 0;
     check(s.api.cuGraphCreate(&graph_, 0), "cuGraphCreate", s.name);
     try {
@@ -325,24 +412,24 @@ class CudaGraph final : public Graph {
         const std::size_t deps = before.size();
         edges += deps;
         if (const auto* k = std::get_if<GraphKernel>(&nodes_[i])) {
-          args_[i] = pack(*k, inputs, variables);
+          built_args_[i] = pack(*k, inputs, variables);
           CUDA_KERNEL_NODE_PARAMS p;
           void* extra[5];
           std::size_t size;
-          kernel_params(i, p, extra, size);
+          kernel_params(i, built_args_[i], p, extra, size);
           check(s.api.cuGraphAddKernelNode(&handles_[i], graph_, after, deps, &p),
                 fmt::format("adding kernel '{}' to a graph (node {})", k->program->name(), i), s.name);
         } else if (const auto& c = std::get<GraphCopy>(nodes_[i]); c.size == 0) {
           check(s.api.cuGraphAddEmptyNode(&handles_[i], graph_, after, deps),
                 fmt::format("adding an empty node for a copy of 0 bytes to a graph (node {})", i), s.name);
         } else {
-          copies_[i] = {resolve(c.dest, inputs).va_addr, resolve(c.src, inputs).va_addr};
-          const CUDA_MEMCPY3D params = copy_params(copies_[i].first, copies_[i].second, c.size);
+          built_copies_[i] = {resolve(c.dest, inputs).va_addr, resolve(c.src, inputs).va_addr};
+          const CUDA_MEMCPY3D params = copy_params(built_copies_[i].first, built_copies_[i].second, c.size);
           check(s.api.cuGraphAddMemcpyNode(&handles_[i], graph_, after, deps, &params, s.context),
                 fmt::format("adding a copy of {} bytes to a graph (node {})", c.size, i), s.name);
         }
       }
-      check(s.api.cuGraphInstantiate(&exec_, graph_, 0), "cuGraphInstantiate", s.name);
+      remember(instantiate(), inputs, variables);
       debug_log(2, s.name, "graph of {} nodes built with {} dependencies (Note [CUDA graph dependencies])",
                 nodes_.size(), edges);
     } catch (...) {
@@ -351,9 +438,10 @@ class CudaGraph final : public Graph {
     }
   }
 
-  // Patches the nodes whose inputs changed. False when the driver refuses a patch
+  // Patches the nodes of `instance` whose inputs changed. False when the driver refuses a patch
   // (CUDA_ERROR_INVALID_VALUE, Note [CUDA graph replay]): the caller builds the graph again.
-  bool patch(std::span<const Allocation> inputs, std::span<const std::int32_t> variables) {
+  bool patch(Instance& instance, std::span<const Allocation> inputs, std::span<const std::int32_t> variables) {
+    instance.complete = false;  // until every patch landed, it describes no inputs
     const DeviceState& s = device_.state();
     const auto refused = [&](CUresult r, std::size_t i, std::string_view what) {
       if (r == CUDA_ERROR_INVALID_VALUE) {
@@ -366,15 +454,16 @@ class CudaGraph final : public Graph {
     };
     for (std::size_t i = 0; i < nodes_.size(); ++i) {
       if (const auto* k = std::get_if<GraphKernel>(&nodes_[i])) {
-        std::vector<std::byte> packed = pack(*k, inputs, variables);
-        if (packed == args_[i]) continue;
-        args_[i] = std::move(packed);
+        pack_into(scratch_, *k, inputs, variables);
+        if (scratch_ == instance.args[i]) continue;
+        instance.args[i].assign(scratch_.begin(), scratch_.end());
         CUDA_KERNEL_NODE_PARAMS p;
         void* extra[5];
         std::size_t size;
-        kernel_params(i, p, extra, size);
-        if (const CUresult r = s.api.cuGraphExecKernelNodeSetParams(exec_, handles_[i], &p); r != CUDA_SUCCESS) {
-          args_[i].clear();  // unknown now: the next replay patches it again
+        kernel_params(i, instance.args[i], p, extra, size);
+        if (const CUresult r = s.api.cuGraphExecKernelNodeSetParams(instance.exec, handles_[i], &p);
+            r != CUDA_SUCCESS) {
+          instance.args[i].clear();  // unknown now: the next patch sets it again
           if (refused(r, i, fmt::format("kernel '{}'", k->program->name()))) return false;
         }
       } else {
@@ -382,13 +471,13 @@ class CudaGraph final : public Graph {
         if (c.size == 0) continue;  // an empty node
         const std::pair<std::uint64_t, std::uint64_t> now{resolve(c.dest, inputs).va_addr,
                                                           resolve(c.src, inputs).va_addr};
-        if (now == copies_[i]) continue;
+        if (now == instance.copies[i]) continue;
         const CUDA_MEMCPY3D params = copy_params(now.first, now.second, c.size);
-        if (const CUresult r = s.api.cuGraphExecMemcpyNodeSetParams(exec_, handles_[i], &params, s.context);
+        if (const CUresult r = s.api.cuGraphExecMemcpyNodeSetParams(instance.exec, handles_[i], &params, s.context);
             r != CUDA_SUCCESS) {
           if (refused(r, i, fmt::format("a copy of {} bytes", c.size))) return false;
         }
-        copies_[i] = now;
+        instance.copies[i] = now;
       }
     }
     return true;
@@ -399,13 +488,15 @@ class CudaGraph final : public Graph {
   std::vector<std::vector<Use>> uses_;  // per node
   std::vector<std::pair<std::uint32_t, std::uint32_t>> overlaps_;  // overlaps() when built
   CUgraph graph_ = nullptr;
-  CUgraphExec exec_ = nullptr;
   std::vector<CUgraphNode> handles_;
-  std::vector<std::vector<std::byte>> args_;                         // per kernel node, as patched last
-  std::vector<std::pair<std::uint64_t, std::uint64_t>> copies_;      // per copy node: (dest, src)
+  std::vector<std::vector<std::byte>> built_args_;                     // per kernel node, in graph_
+  std::vector<std::pair<std::uint64_t, std::uint64_t>> built_copies_;  // per copy node, in graph_
+  std::vector<Instance> instances_;  // Note [CUDA graph instances]; references stay valid: reserved
+  std::uint64_t launches_ = 0;
+  std::vector<std::byte> scratch_;  // patch's packing buffer
+  std::array<std::uint64_t, kRecentInputSets> recent_{};  // the last replays' key_of
+  std::size_t recent_next_ = 0;
   bool replayed_ = false;
-  std::vector<std::pair<std::uint64_t, std::uint64_t>> last_inputs_;  // the last replay's inputs (address, size)
-  std::vector<std::int32_t> last_variables_;  // and variables
   std::string launch_what_ = fmt::format("launching a graph of {} nodes", nodes_.size());
 };
 

@@ -893,6 +893,66 @@ TEST_CASE("cuda fake: a 100-kernel CUDA graph replays as eager and patches only 
   CHECK(first == second);
 }
 
+TEST_CASE("cuda fake: a graph replayed with input sets that come back keeps an instance for each and patches nothing - new inputs are patched in - at most 4 instances", "[cuda][fake]") {
+  auto* dev = fake_hcq();
+  if (!dev) return;
+  auto add = dev->load_kernel("add", kernels::add_f32(SourceLanguage::CUDA));
+  const std::size_t n = 256, kernels_in_graph = 10;
+  const std::int32_t count[] = {static_cast<std::int32_t>(n)};
+  // Each kernel: in1 = in0 + in0 (the last one's result stays).
+  std::vector<GraphNode> nodes;
+  for (std::size_t i = 0; i < kernels_in_graph; ++i)
+    nodes.push_back(GraphKernel{add, {GraphBuffer::in(1), GraphBuffer::in(0), GraphBuffer::in(0)}, {GraphValue::var(0)}});
+  auto graph = dev->create_graph(std::move(nodes));
+  struct Set {
+    Buffer in, out;
+  };
+  const auto make_set = [&] {
+    Set set{Buffer(dev->name(), n, dtypes::float32), Buffer(dev->name(), n, dtypes::float32)};
+    set.in.allocate();
+    set.out.allocate();
+    return set;
+  };
+  // Fresh data each replay, checked against the host's sum.
+  const auto replay = [&](Set& set) {
+    const auto x = random_floats(n, fresh_seed());
+    set.in.copyin(std::span<const float>(x));
+    graph->replay(std::vector<Allocation>{set.in.allocation(), set.out.allocation()}, count);
+    std::vector<float> got(n);
+    set.out.copyout(std::span<float>(got));
+    for (std::size_t i = 0; i < n; ++i) REQUIRE(got[i] == x[i] + x[i]);
+  };
+  const auto instantiated = [] { return fake_calls("cuGraphInstantiateWithFlags"); };
+  const auto patches = [] { return fake_calls("cuGraphExecKernelNodeSetParams"); };
+  const long built = instantiated();
+  std::vector<Set> sets;
+  for (int i = 0; i < 6; ++i) sets.push_back(make_set());
+  replay(sets[0]);  // built, instance 1
+  replay(sets[1]);  // new inputs: patched into instance 1
+  CHECK(instantiated() == built + 1);
+  replay(sets[0]);  // seen again: instance 2
+  CHECK(instantiated() == built + 2);
+  replay(sets[1]);  // instance 1 still holds set 1
+  // Alternating from now on: no patch, no instantiation, and every result right.
+  const long patched = patches();
+  for (int round = 0; round < 10; ++round) {
+    replay(sets[0]);
+    replay(sets[1]);
+  }
+  CHECK(patches() == patched);
+  CHECK(instantiated() == built + 2);
+  // A stream of buffers never seen before (all kept alive, or the LRU cache would hand the same
+  // memory back): each patched in (every kernel reads them), none instantiated.
+  std::vector<Set> fresh;
+  for (int i = 0; i < 12; ++i) replay(fresh.emplace_back(make_set()));
+  CHECK(patches() == patched + 12 * static_cast<long>(kernels_in_graph));
+  CHECK(instantiated() == built + 2);
+  // Six sets coming back in turn: never more than 4 instances, and still every result right.
+  for (int round = 0; round < 4; ++round)
+    for (Set& set : sets) replay(set);
+  CHECK(instantiated() == built + 4);
+}
+
 TEST_CASE("cuda fake: a graph whose copy moves to memory the driver cannot patch in is built again - and empty copies and kernels without parameters run", "[cuda][fake]") {
   auto* dev = fake_hcq();
   if (!dev) return;
@@ -930,8 +990,12 @@ TEST_CASE("cuda fake: a graph whose copy moves to memory the driver cannot patch
   CHECK(fake_calls("cuGraphInstantiateWithFlags") == built + 2);
   replay_from(pinned_src);  // the same inputs: nothing patched, nothing built
   CHECK(fake_calls("cuGraphInstantiateWithFlags") == built + 2);
+  // Inputs seen again (Note [CUDA graph instances]): an instance of their own, instantiated from
+  // the graph as built (pinned), whose patch the driver refuses as well: built again.
   replay_from(device_src);
-  CHECK(fake_calls("cuGraphInstantiateWithFlags") == built + 3);
+  CHECK(fake_calls("cuGraphInstantiateWithFlags") == built + 4);
+  replay_from(device_src);
+  CHECK(fake_calls("cuGraphInstantiateWithFlags") == built + 4);
 }
 
 TEST_CASE("cuda fake: graph nodes that write nothing another reads have no dependency - and inputs that alias build the dependencies that then hold", "[cuda][fake]") {
