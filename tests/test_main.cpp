@@ -11,7 +11,9 @@
 #include <catch2/catch.hpp>
 
 #include <cstdio>
+#include <cstdlib>
 #include <string>
+#include <vector>
 
 #include "support.hpp"
 
@@ -63,10 +65,23 @@ CATCH_REGISTER_LISTENER(SkipListener)
 int main(int argc, char* argv[]) {
   Catch::Session session;
   using namespace Catch::clara;
-  auto cli = session.cli() | Opt(tinydev::testing::state().backend, "TYPE")["--backend"](
-                                 "run the conformance suite on this backend only (LLVM, CLANG, NULL, ...)");
+  std::vector<std::string> environment;
+  auto cli = session.cli() |
+             Opt(tinydev::testing::state().backend, "TYPE")["--backend"](
+                 "run the conformance suite on this backend only (LLVM, CLANG, NULL, ...)") |
+             Opt(environment, "NAME=VALUE")["--env"](
+                 "set this environment variable before any test runs (ctest properties cannot hold two: their "
+                 "';' splits the list)");
   session.cli(cli);
   if (const int rc = session.applyCommandLine(argc, argv); rc != 0) return rc;
+  for (const std::string& entry : environment) {
+    const std::size_t eq = entry.find('=');
+    if (eq == std::string::npos || eq == 0) {
+      std::fprintf(stderr, "--env %s: expected NAME=VALUE\n", entry.c_str());
+      return 2;
+    }
+    ::setenv(entry.substr(0, eq).c_str(), entry.substr(eq + 1).c_str(), 1);  // single-threaded still
+  }
   // Catch returns the number of failed assertions: any number (4 included) is a failure, never a skip.
   if (session.run() != 0) return 1;
   const auto& s = tinydev::testing::state();

@@ -86,13 +86,19 @@ std::string CudaCompiler::unsupported_reason() const {
   const int capability = std::stoi(arch_.substr(3, arch_.find_first_not_of("0123456789", 3) - 3));
   if (std::find(api.archs.begin(), api.archs.end(), capability) != api.archs.end()) return "";
   const auto [lowest, highest] = std::minmax_element(api.archs.begin(), api.archs.end());
-  return fmt::format("NVRTC {}.{} ({}) cannot compile for {}: it compiles for sm_{} to sm_{}; {}", api.major,
-                     api.minor, api.path, arch_, *lowest, *highest,
-                     capability < *lowest
-                         ? "CUDA 13 dropped GPUs older than compute capability 7.5: install CUDA 12's NVRTC "
-                           "(libnvrtc.so.12, chosen first for such GPUs) or set TINYDEV_CUDA_NVRTC to it"
-                         : "this GPU is newer than this NVRTC: install a newer CUDA toolkit's NVRTC or set "
-                           "TINYDEV_CUDA_NVRTC to it");
+  std::string advice;
+  if (capability < *lowest && api.major >= 13)
+    advice = "CUDA 13 dropped GPUs older than compute capability 7.5: install CUDA 12's NVRTC (libnvrtc.so.12, "
+             "chosen first for such GPUs) or set TINYDEV_CUDA_NVRTC to it";
+  else if (capability < *lowest)
+    advice = "this GPU is older than any this NVRTC supports: set TINYDEV_CUDA_NVRTC to an older CUDA toolkit's NVRTC";
+  else if (capability > *highest)
+    advice = "this GPU is newer than this NVRTC: install a newer CUDA toolkit's NVRTC or set TINYDEV_CUDA_NVRTC to it";
+  else
+    advice = "this NVRTC does not list it among its architectures: check the compute capability, or set "
+             "TINYDEV_CUDA_NVRTC to an NVRTC that lists it";
+  return fmt::format("NVRTC {}.{} ({}) cannot compile for {}: it compiles for sm_{} to sm_{}, not all between; {}",
+                     api.major, api.minor, api.path, arch_, *lowest, *highest, advice);
 }
 
 Blob CudaCompiler::compile(std::string_view source) {

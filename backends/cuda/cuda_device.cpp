@@ -107,6 +107,7 @@ CudaHCQDevice& cuda_device(Compiled& device, std::string_view queue) {
   if (!cuda)
     throw InvalidArgument(fmt::format("cannot submit a CUDA {} queue to {}: it runs on CUDA devices only", queue,
                                       device.name()));
+  cuda->check_not_forked();  // a forked child must not reach the driver (Note [Devices and fork])
   return *cuda;
 }
 
@@ -200,7 +201,10 @@ void CudaProgram::throw_wrong_counts(std::size_t buffers, std::size_t values) co
 CudaProgram::~CudaProgram() {
   const DeviceState& s = device_.state();
   if (s.released.load() || !device_.opened_in_this_process()) return;
-  if (const std::uint64_t launched = last_direct_value_.load(std::memory_order_acquire); launched != 0) {
+  // A retired program's marks were reached (no lock taken then: it may be deleted by a thread that
+  // holds a submit mutex); a program dropped with nothing in flight has nothing to wait for either.
+  if (const std::uint64_t launched = last_direct_value_.load(std::memory_order_acquire);
+      launched != 0 && device_.timeline_signal().slot().value.load(std::memory_order_acquire) < launched) {
     try {
       // The timeline value covering the last direct call is signalled by now, or by
       // last_submitted_value() (Note [Lazy timeline signals]); after a wrap both are past.
@@ -213,6 +217,68 @@ CudaProgram::~CudaProgram() {
     }
   }
   if (s.api.cuCtxSetCurrent(s.context) == CUDA_SUCCESS) s.api.cuModuleUnload(static_cast<CUmodule>(module_));
+}
+
+namespace {
+// Note [CUDA program retirement]: programs waiting for timeline values, per device or lane.
+struct RetiredPrograms {
+  std::mutex mutex;
+  std::vector<std::pair<CudaProgram*, std::vector<std::pair<const CudaHCQDevice*, std::uint64_t>>>> programs;
+};
+RetiredPrograms& retired_programs() {
+  static auto* retired = new RetiredPrograms;  // never destroyed: programs may retire during exit
+  return *retired;
+}
+bool reached(const std::vector<std::pair<const CudaHCQDevice*, std::uint64_t>>& marks) {
+  for (const auto& [device, value] : marks)
+    if (device->timeline_signal().slot().value.load(std::memory_order_acquire) < value) return false;
+  return true;
+}
+}  // namespace
+
+std::shared_ptr<CudaProgram> CudaProgram::make(std::string name, CudaHCQDevice& device, void* module, void* function,
+                                               std::optional<KernelSignature> signature) {
+  return std::shared_ptr<CudaProgram>(new CudaProgram(std::move(name), device, module, function, signature),
+                                      &CudaProgram::retire);
+}
+
+void CudaProgram::retire(CudaProgram* program) {
+  std::vector<std::pair<const CudaHCQDevice*, std::uint64_t>> marks;
+  CudaHCQDevice& device = program->device_;
+  if (!device.state().released.load() && device.opened_in_this_process()) {
+    const auto mark = [&](const CudaHCQDevice& d, std::uint64_t value) {
+      if (d.timeline_signal().slot().value.load(std::memory_order_acquire) < value) marks.emplace_back(&d, value);
+    };
+    // The values taken so far, read without the submit mutex (the last handle may go while a
+    // stream holds its lane's); a direct call's covering value is signalled at the latest by the
+    // next synchronize, which reclaims.
+    mark(device, std::max(device.timeline_value() - 1, program->last_direct_value_.load(std::memory_order_acquire)));
+    device.for_each_lane([&](const CudaHCQDevice& lane) { mark(lane, lane.timeline_value() - 1); });
+  }
+  {
+    RetiredPrograms& retired = retired_programs();
+    std::lock_guard lock(retired.mutex);
+    if (!marks.empty()) {
+      retired.programs.emplace_back(program, std::move(marks));
+      program = nullptr;
+    }
+  }
+  delete program;  // nothing in flight: unloaded now (~CudaProgram)
+  reclaim_retired();
+}
+
+void CudaProgram::reclaim_retired() {
+  std::vector<CudaProgram*> done;
+  {
+    RetiredPrograms& retired = retired_programs();
+    std::lock_guard lock(retired.mutex);
+    std::erase_if(retired.programs, [&](const auto& entry) {
+      if (!reached(entry.second)) return false;
+      done.push_back(entry.first);
+      return true;
+    });
+  }
+  for (CudaProgram* program : done) delete program;  // outside the lock: ~CudaProgram calls the driver
 }
 
 const std::string& CudaProgram::device() const noexcept { return device_.name(); }
@@ -280,7 +346,7 @@ class CudaRuntime final : public Runtime {
       s.api.cuModuleUnload(module);
       throw;
     }
-    return std::make_shared<CudaProgram>(name, device_, module, function, signature);
+    return CudaProgram::make(name, device_, module, function, signature);
   }
 
  private:
@@ -868,6 +934,7 @@ void CudaHCQDevice::synchronize() {
   HCQCompiled::synchronize();
   throw_if_failed();
   lanes_.synchronize_all();  // every stream's work ends, finished or failed
+  CudaProgram::reclaim_retired();
 }
 
 void CudaHCQDevice::on_timeline_wrapped() {
@@ -908,7 +975,11 @@ std::map<std::string, std::string> CudaHCQDevice::properties() const {
   props["compute capability"] = fmt::format("{}.{}", s.major, s.minor);
   props["memory"] = fmt::format("{:.1f} GiB", static_cast<double>(memory) / (1ull << 30));
   props["multiprocessors"] = std::to_string(attribute(s, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, "SMs"));
-  props["64-bit stream memory operations"] = s.memops ? "yes" : "no (signals and waits run as one-thread kernels)";
+  props["64-bit stream memory operations"] =
+      s.memops ? "yes"
+               : (s.kernel_time_limit ? "no (signals and waits run as one-thread kernels, and this GPU's kernel time "
+                                        "limit ends a wait that lasts longer, with the context)"
+                                      : "no (signals and waits run as one-thread kernels)");
   const std::string unsupported = compiler.unsupported_reason();
   props["compiler"] = unsupported.empty() ? fmt::format("NVRTC {} to {} for {}", compiler.nvrtc_version(),
                                                         compiler.ptx() ? "PTX (driver JIT)" : "CUBIN", compiler.arch())
@@ -1049,6 +1120,14 @@ std::shared_ptr<DeviceState> open_state(const std::string& name) {
   state->major = attribute(*state, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, "compute capability");
   state->minor = attribute(*state, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, "compute capability");
   state->memops = attribute(*state, CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS, "stream mem ops") != 0;
+  state->kernel_time_limit = attribute(*state, CU_DEVICE_ATTRIBUTE_KERNEL_EXEC_TIMEOUT, "kernel time limit") != 0;
+  // Note [CUDA queues]: without memory operations a wait is a kernel that spins, and a time limit
+  // (a display attached, WSL) kills it, and the context with it, when the wait lasts too long.
+  if (!state->memops && state->kernel_time_limit)
+    log_message(LogLevel::warning, name,
+                "this GPU has no 64-bit stream memory operations, so queue waits run as spinning kernels, and it "
+                "has a kernel time limit (a display attached, or WSL): a wait longer than that limit (seconds) "
+                "kills the CUDA context; keep waits short, or use a GPU without a display");
   if (!attribute(*state, CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING, "unified addressing"))
     throw DeviceUnavailable(fmt::format("{}: the GPU has no unified addressing, which tinydev's CUDA queues need", name));
   retain_context_and_queues(*state, /*load_kernels=*/true);

@@ -191,12 +191,14 @@ class CudaGraph final : public Graph {
   // (the graph built first, or again when the overlaps changed or the driver refused a patch).
   Instance& instance_for(std::span<const Allocation> inputs, std::span<const std::int32_t> variables) {
     const DeviceState& s = device_.state();
-    for (Instance& instance : instances_)
-      if (describes(instance, inputs, variables)) return instance;
+    // Every replay is remembered, those an instance serves too, so sets that alternate stay
+    // recognized while other inputs pass between them.
     const std::uint64_t key = key_of(inputs, variables);
     const bool recurring = std::find(recent_.begin(), recent_.end(), key) != recent_.end();
     recent_[recent_next_] = key;
     recent_next_ = (recent_next_ + 1) % recent_.size();
+    for (Instance& instance : instances_)
+      if (describes(instance, inputs, variables)) return instance;
     if (!graph_) {
       build(inputs, variables);
       return instances_.front();
@@ -210,13 +212,18 @@ class CudaGraph final : public Graph {
     }
     Instance* target = nullptr;
     if (recurring && instances_.size() < kMaxInstances) {
-      target = &instantiate();
-      debug_log(2, s.name, "graph replay: inputs seen again: a graph instance of their own ({} of at most {})",
-                instances_.size(), kMaxInstances);
-    } else {
+      try {
+        target = &instantiate();
+        debug_log(2, s.name, "graph replay: inputs seen again: a graph instance of their own ({} of at most {})",
+                  instances_.size(), kMaxInstances);
+      } catch (const Error& e) {
+        // Out of memory, say: an extra instance is an optimization, patching still works.
+        debug_log(1, s.name, "graph replay: no extra graph instance ({}): patching one", e.what());
+      }
+    }
+    if (!target)
       target = &*std::min_element(instances_.begin(), instances_.end(),
                                   [](const Instance& a, const Instance& b) { return a.launched < b.launched; });
-    }
     if (!patch(*target, inputs, variables)) {
       destroy();
       build(inputs, variables);

@@ -68,6 +68,15 @@ class CudaHCQDevice;
 // anything reaches the driver; a list of another layout (a value before a pointer, a 1-, 2- or
 // 8-byte value, a struct) cannot be passed at all and load() refuses it. An older driver tells
 // nothing: signature() is nullopt and the caller is trusted, as on the CPU with a bare object.
+//
+// Note [CUDA program retirement]
+// A queued exec and a stream launch refer to their program by a plain pointer, and the kernel
+// they launched may not have run yet when the last handle goes; unloading its module then would
+// pull the code from under it. So the programs load() hands out are retired, not deleted, when
+// their last handle goes: with the timeline value last submitted on the device and on each of its
+// stream lanes (and the value covering the last direct call) that had not been reached then. The
+// module is unloaded once every one of them is reached, checked when another program retires and
+// at every synchronize of the device. A program with nothing in flight is unloaded at once.
 class CudaProgram final : public Program {
  public:
   CudaProgram(std::string name, CudaHCQDevice& device, void* module, void* function,
@@ -91,7 +100,14 @@ class CudaProgram final : public Program {
   void* function() const noexcept { return function_; }  // the CUfunction
   const std::string& launch_what() const noexcept { return launch_what_; }  // "launching 'name'", for errors
 
+  // What load() hands out: a program its last handle retires (Note [CUDA program retirement]).
+  static std::shared_ptr<CudaProgram> make(std::string name, CudaHCQDevice& device, void* module, void* function,
+                                           std::optional<KernelSignature> signature);
+  // Unloads the retired programs whose work has all run (Note [CUDA program retirement]).
+  static void reclaim_retired();
+
  private:
+  static void retire(CudaProgram* program);
   [[noreturn]] void throw_wrong_counts(std::size_t buffers, std::size_t values) const;
   CudaHCQDevice& device_;
   void* module_;    // CUmodule
@@ -209,6 +225,11 @@ class CudaHCQDevice final : public HCQCompiled<CudaComputeQueue, CudaCopyQueue> 
   static constexpr std::size_t kMaxStreams = 64;
   // Takes back a lane whose stream is gone and whose work finished (HCQLaneStream's destructor).
   void return_lane(CudaHCQDevice* lane) { lanes_.give_back(lane); }
+  // Calls f(lane) for each stream lane made on this device so far.
+  template <class F>
+  void for_each_lane(F&& f) {
+    lanes_.for_each(std::forward<F>(f));
+  }
   // The default queue, then every stream of this device (a stream's failure stays the stream's).
   void synchronize() override;
   // The device whose programs this device's queues run: itself, or a lane's parent.

@@ -32,6 +32,7 @@ struct DeviceState {
   CUfunction signal = nullptr, wait = nullptr;
   int major = 0, minor = 0;        // compute capability, read once at open
   bool memops = false;             // CAN_USE_64_BIT_STREAM_MEM_OPS
+  bool kernel_time_limit = false;  // KERNEL_EXEC_TIMEOUT: the driver ends kernels that run too long
   std::atomic<bool> released{false};  // Note [CUDA at exit]
 
   // Driver calls act on the calling thread's current context.

@@ -68,6 +68,12 @@ class StreamLanes {
     std::lock_guard lock(mutex_);
     free_.push_back(lane);
   }
+  // Calls f(lane) for every lane made so far (taken or free).
+  template <class F>
+  void for_each(F&& f) {
+    std::lock_guard lock(mutex_);
+    for (const auto& lane : lanes_) f(*lane);
+  }
   // Waits for every stream's work; a stream's failure is the stream's to report (Stream::fault),
   // not the device's, so a faulted lane is skipped.
   void synchronize_all() {

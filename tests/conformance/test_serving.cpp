@@ -17,6 +17,9 @@ using namespace std::chrono_literals;
 
 namespace {
 
+// Every HCQ device with test kernels (the CUDA ones included: kernels::add_f32 has a CUDA version).
+constexpr Needs kHcqKernels{.kernels = true, .cuda_too = true, .hcq = true};
+// The CPU devices only (a kernel that spins on host memory).
 constexpr Needs kCpuKernels{.kernels = true, .host_objects = true, .hcq = true};
 
 cpu::CpuHCQDevice& as_cpu(Compiled& dev) { return dynamic_cast<cpu::CpuHCQDevice&>(dev); }
@@ -85,8 +88,7 @@ TEST_CASE("serving: a timeline reservation dropped by an exception completes its
 }
 
 TEST_CASE("serving: after a queue failure every call throws DeviceFault naming it until recover()", "[serving]") {
-  for_each_backend(kCpuKernels, [](Compiled& compiled) {
-    auto& dev = as_cpu(compiled);
+  for_each_hcq_device([](auto& dev) {
     auto add = load_add(dev);
     const std::size_t n = 64 + fresh_seed() % 64;
     AddOperands operands(dev, n);
@@ -124,12 +126,11 @@ TEST_CASE("serving: after a queue failure every call throws DeviceFault naming i
     CHECK(back == add_reference(a, b));
     dev.synchronize();
     dev.free_signal(gate);
-  });
+  }, kHcqKernels);
 }
 
 TEST_CASE("serving: a Program dropped while its exec is queued stays alive until the exec ran", "[serving]") {
-  for_each_backend(kCpuKernels, [](Compiled& compiled) {
-    auto& dev = as_cpu(compiled);
+  for_each_hcq_device([](auto& dev) {
     const std::size_t n = 256 + fresh_seed() % 256;
     AddOperands operands(dev, n);
     auto& [a, b, ba, bb, out] = operands;
@@ -137,7 +138,7 @@ TEST_CASE("serving: a Program dropped while its exec is queued stays alive until
     {
       // A kernel of its own (a fresh name: no other handle shares its code), dropped right after submit.
       const std::string name = "add_dropped_" + std::to_string(fresh_seed() % 1000000);
-      auto program = std::dynamic_pointer_cast<cpu::CpuProgram>(
+      auto program = std::dynamic_pointer_cast<ProgramOf<std::remove_reference_t<decltype(dev)>>>(
           dev.load_kernel(name, kernels::add_f32(dev.source_language(), name)));
       REQUIRE(program);
       const Allocation args[] = {out.allocation(), ba.allocation(), bb.allocation()};
@@ -154,13 +155,12 @@ TEST_CASE("serving: a Program dropped while its exec is queued stays alive until
     out.copyout(bytes_of(back));
     CHECK(back == add_reference(a, b));
     dev.free_signal(gate);
-  });
+  }, kHcqKernels);
 }
 
 TEST_CASE("serving: a stream's copyout does not wait for another stream's work and events order streams",
           "[serving]") {
-  for_each_backend(kCpuKernels, [](Compiled& compiled) {
-    auto& dev = as_cpu(compiled);
+  for_each_hcq_device([](auto& dev) {
     auto add = load_add(dev);
     const std::size_t n = 64 + fresh_seed() % 200;
     const auto a = random_floats(n, fresh_seed()), b = random_floats(n, fresh_seed()), c = random_floats(n, fresh_seed());
@@ -203,13 +203,11 @@ TEST_CASE("serving: a stream's copyout does not wait for another stream's work a
     dev.synchronize();
     CHECK(stream_a->record().query());
     dev.free_signal(gate);
-  });
+  }, kHcqKernels);
 }
 
-TEST_CASE("serving: graphs replay on a stream and a failed stream recovers without touching the device",
-          "[serving]") {
-  for_each_backend(kCpuKernels, [](Compiled& compiled) {
-    auto& dev = as_cpu(compiled);
+TEST_CASE("serving: graphs replay on a stream and a graph of the device is not the stream's", "[serving]") {
+  for_each_hcq_device([](auto& dev) {
     auto add = load_add(dev);
     const std::size_t n = 32 + fresh_seed() % 100;
     auto stream = dev.create_stream(StreamOptions{.run_inline_when_idle = false});
@@ -234,6 +232,21 @@ TEST_CASE("serving: graphs replay on a stream and a failed stream recovers witho
     auto device_graph = dev.create_graph(nodes);
     const Buffer inputs[] = {x, y, out};
     CHECK_THROWS_AS(stream->replay(*device_graph, inputs), InvalidArgument);
+  }, kHcqKernels);
+}
+
+TEST_CASE("serving: a failed stream recovers without touching the device and replays its graph again",
+          "[serving]") {
+  for_each_hcq_device([](auto& dev) {
+    auto add = load_add(dev);
+    const std::size_t n = 32 + fresh_seed() % 100;
+    auto stream = dev.create_stream(StreamOptions{.run_inline_when_idle = false});
+    Buffer x = float_buffer(dev, n), y = float_buffer(dev, n), t = float_buffer(dev, n), out = float_buffer(dev, n);
+    const GraphValue nv = GraphValue::of(static_cast<std::int32_t>(n));
+    auto graph = stream->create_graph(
+        {GraphKernel{add, {GraphBuffer::of(t.allocation()), GraphBuffer::in(0), GraphBuffer::in(1)}, {nv}},
+         GraphKernel{add, {GraphBuffer::in(2), GraphBuffer::of(t.allocation()), GraphBuffer::in(1)}, {nv}}});
+    const Buffer inputs[] = {x, y, out};
     // The stream's work fails: the stream is faulted, the device is not.
     Signal gate = dev.alloc_signal(0);
     stream->wait(Event(gate, 1, nullptr));
@@ -257,12 +270,11 @@ TEST_CASE("serving: graphs replay on a stream and a failed stream recovers witho
     stream->copyout(bytes_of(back), out).wait(5000ms);
     CHECK(back == add_reference(add_reference(vx, vy), vy));
     dev.free_signal(gate);
-  });
+  }, kHcqKernels);
 }
 
 TEST_CASE("serving: 4 clients with a stream each make 1000 requests each and every result is right", "[serving]") {
-  for_each_backend(kCpuKernels, [](Compiled& compiled) {
-    auto& dev = as_cpu(compiled);
+  for_each_hcq_device([](auto& dev) {
     auto add = load_add(dev);
     constexpr int kClients = 4, kRequests = 1000;
     std::atomic<int> wrong{0}, errors{0};
@@ -296,13 +308,12 @@ TEST_CASE("serving: 4 clients with a stream each make 1000 requests each and eve
     for (std::thread& t : clients) t.join();
     CHECK(errors == 0);
     CHECK(wrong == 0);
-  });
+  }, kHcqKernels);
 }
 
 TEST_CASE("serving: a device opened before fork is a ForkedDevice error in the child and the parent goes on",
           "[serving]") {
-  for_each_backend(kCpuKernels, [](Compiled& compiled) {
-    auto& dev = as_cpu(compiled);
+  for_each_hcq_device([](auto& dev) {
     auto add = load_add(dev);
     const std::size_t n = 128;
     AddOperands operands(dev, n);
@@ -312,7 +323,7 @@ TEST_CASE("serving: a device opened before fork is a ForkedDevice error in the c
     // Another thread keeps submitting while we fork.
     std::atomic<bool> stop{false};
     std::atomic<int> submitted{0};
-    const auto& program = dynamic_cast<const cpu::CpuProgram&>(*add);
+    const auto& program = dynamic_cast<const ProgramOf<std::remove_reference_t<decltype(dev)>>&>(*add);
     std::thread submitter([&] {
       while (!stop.load()) {
         submit_ordered(dev, [&](auto& q) {
@@ -365,7 +376,7 @@ TEST_CASE("serving: a device opened before fork is a ForkedDevice error in the c
     (*add)(args, values);
     out.copyout(bytes_of(back));
     CHECK(back == add_reference(a, b));
-  });
+  }, kHcqKernels);
 }
 
 TEST_CASE("serving: a timeout names the kernel a queue is running and for how long", "[serving]") {
@@ -394,8 +405,7 @@ TEST_CASE("serving: a timeout names the kernel a queue is running and for how lo
 
 TEST_CASE("serving: memory freed while default-queue work is queued is not reused until that work finished",
           "[serving]") {
-  for_each_backend(kCpuKernels, [](Compiled& compiled) {
-    auto& dev = as_cpu(compiled);
+  for_each_hcq_device([](auto& dev) {
     auto& allocator = hcq_allocator(dev);
     const std::size_t bytes = (1u << 16) + 64 * (fresh_seed() % 64);
     const auto data = random_bytes(bytes, fresh_seed());
@@ -419,5 +429,5 @@ TEST_CASE("serving: memory freed while default-queue work is queued is not reuse
     z.allocate();
     CHECK(z.allocation().va_addr == first.va_addr);  // once the copy landed, the cache hands it out again
     dev.free_signal(gate);
-  });
+  }, kHcqKernels);
 }

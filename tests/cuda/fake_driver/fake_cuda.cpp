@@ -91,7 +91,13 @@ struct KernelInfo {
 struct FakeFunction {
   std::string name;
   KernelInfo kernel;
+  const void* module;  // a kernel whose module was unloaded before it ran fails (a driver's is gone)
 };
+// The modules loaded and not unloaded. Guarded by g_mutex.
+std::set<const void*>& live_modules() {
+  static auto* live = new std::set<const void*>;
+  return *live;
+}
 
 struct FakeEvent {
   std::mutex mutex;
@@ -404,6 +410,7 @@ CUresult run_kernel(const FakeFunction& f, const FakeDevice& device, const std::
   if (CUresult r = injected("run:" + f.name); r != CUDA_SUCCESS) return r;
   {
     std::lock_guard lock(g_mutex);
+    if (!live_modules().count(f.module)) return CUDA_ERROR_INVALID_HANDLE;  // unloaded before it ran
     for (int i = 0; i < f.kernel.pointers(); ++i)
       if (!reachable(device, param<std::uint64_t>(args.data(), 8 * static_cast<std::size_t>(i)), 1))
         return CUDA_ERROR_ILLEGAL_ADDRESS;
@@ -521,6 +528,7 @@ CUresult CUDAAPI cuDeviceGetAttribute(int* value, CUdevice_attribute attribute, 
     case CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT: *value = 132; break;
     case CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS: *value = memops_supported() ? 1 : 0; break;
     case CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING: *value = 1; break;
+    case CU_DEVICE_ATTRIBUTE_KERNEL_EXEC_TIMEOUT: *value = env_number("FAKE_CUDA_KERNEL_TIME_LIMIT", 0) ? 1 : 0; break;
     default: *value = 0; break;
   }
   return CUDA_SUCCESS;
@@ -721,25 +729,34 @@ CUresult CUDAAPI cuModuleLoadData(CUmodule* module, const void* image) {
     return CUDA_ERROR_INVALID_IMAGE;
   }
   *module = reinterpret_cast<CUmodule>(new FakeModule{std::string(bytes, size)});
+  std::lock_guard lock(g_mutex);
+  live_modules().insert(*module);
   return CUDA_SUCCESS;
 }
 
 CUresult CUDAAPI cuModuleUnload(CUmodule module) {
+  {
+    std::lock_guard lock(g_mutex);
+    live_modules().erase(module);
+  }
   delete reinterpret_cast<FakeModule*>(module);
   return CUDA_SUCCESS;
 }
 
 CUresult CUDAAPI cuModuleGetFunction(CUfunction* function, CUmodule module, const char* name) {
   const auto* m = reinterpret_cast<const FakeModule*>(module);
-  // The name must be in the image (as a symbol name) and have a host version here.
-  const auto kernel = kernels().find(std::string_view(name));
+  // The name must be in the image (as a symbol name) and have a host version here: its own, or
+  // that of the name up to its first '_' ("add_dropped_7" runs "add").
+  auto kernel = kernels().find(std::string_view(name));
+  if (kernel == kernels().end()) kernel = kernels().find(std::string_view(name).substr(0, std::string_view(name).find('_')));
   const bool in_image = m->image.find(std::string(name) + '\0') != std::string::npos ||
                         m->image.find(std::string(name) + '(') != std::string::npos;  // PTX: .entry name(
   if (!in_image || kernel == kernels().end()) return CUDA_ERROR_NOT_FOUND;
   static std::mutex functions_mutex;
-  static auto* functions = new std::map<std::string, FakeFunction>;
+  static auto* functions = new std::map<std::pair<const void*, std::string>, FakeFunction>;
   std::lock_guard lock(functions_mutex);
-  auto [it, added] = functions->try_emplace(name, FakeFunction{name, kernel->second});
+  auto [it, added] = functions->try_emplace({module, name}, FakeFunction{name, kernel->second, module});
+  it->second.module = module;  // a new module at the address of an unloaded one
   *function = reinterpret_cast<CUfunction>(&it->second);
   return CUDA_SUCCESS;
 }
