@@ -204,7 +204,7 @@ CudaProgram::~CudaProgram() {
   // A retired program's marks were reached (no lock taken then: it may be deleted by a thread that
   // holds a submit mutex); a program dropped with nothing in flight has nothing to wait for either.
   if (const std::uint64_t launched = last_direct_value_.load(std::memory_order_acquire);
-      launched != 0 && device_.timeline_signal().slot().value.load(std::memory_order_acquire) < launched) {
+      launched != 0 && device_.timeline_slot()->value.load(std::memory_order_acquire) < launched) {
     try {
       // The timeline value covering the last direct call is signalled by now, or by
       // last_submitted_value() (Note [Lazy timeline signals]); after a wrap both are past.
@@ -231,7 +231,7 @@ RetiredPrograms& retired_programs() {
 }
 bool reached(const std::vector<std::pair<const CudaHCQDevice*, std::uint64_t>>& marks) {
   for (const auto& [device, value] : marks)
-    if (device->timeline_signal().slot().value.load(std::memory_order_acquire) < value) return false;
+    if (device->timeline_slot()->value.load(std::memory_order_acquire) < value) return false;
   return true;
 }
 }  // namespace
@@ -247,7 +247,7 @@ void CudaProgram::retire(CudaProgram* program) {
   CudaHCQDevice& device = program->device_;
   if (!device.state().released.load() && device.opened_in_this_process()) {
     const auto mark = [&](const CudaHCQDevice& d, std::uint64_t value) {
-      if (d.timeline_signal().slot().value.load(std::memory_order_acquire) < value) marks.emplace_back(&d, value);
+      if (d.timeline_slot()->value.load(std::memory_order_acquire) < value) marks.emplace_back(&d, value);
     };
     // The values taken so far, read without the submit mutex (the last handle may go while a
     // stream holds its lane's); a direct call's covering value is signalled at the latest by the
