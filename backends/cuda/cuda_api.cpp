@@ -111,12 +111,6 @@ DriverState& driver_state() {
 }
 }  // namespace
 
-int loaded_driver_version() {
-  DriverState& state = driver_state();
-  std::lock_guard lock(state.mutex);
-  return state.loaded ? state.driver.version : 0;
-}
-
 const Driver& driver() {
   DriverState* state = &driver_state();
   std::lock_guard lock(state->mutex);

@@ -121,9 +121,6 @@ struct Nvrtc {
 // backend needs (naming it), or cuInit failing (no GPU, a driver/kernel-module mismatch).
 const Driver& driver();
 
-// The loaded driver's cuDriverGetVersion, or 0 while none is loaded (loads nothing).
-int loaded_driver_version();
-
 // NVRTC, loaded once: TINYDEV_CUDA_NVRTC when set, else libnvrtc.so.13 then .12, with NVRTC 12
 // first where the driver is 12.x (NVRTC 13's output needs a CUDA 13 driver) or a GPU is older than
 // compute capability 7.5 (NVRTC 13 compiles for 7.5 and newer only). Throws DeviceUnavailable when
