@@ -64,6 +64,7 @@ namespace tinydev::cuda {
   X(cuStreamWriteValue64)                \
   X(cuStreamWaitValue64)                 \
   X(cuStreamBatchMemOp)                  \
+  X(cuLaunchHostFunc)                    \
   X(cuGraphCreate)                       \
   X(cuGraphDestroy)                      \
   X(cuGraphAddKernelNode)                \

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <array>
+#include <bit>
 #include <charconv>
 #include <cstdlib>
 #include <cstring>
@@ -15,6 +16,8 @@
 #include <mutex>
 #include <set>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "cuda_api.hpp"
 #include "cuda_compiler.hpp"
@@ -179,6 +182,78 @@ void check_sizes(const std::string& kernel, const std::string& device, Dim3 g, D
 }
 
 }  // namespace
+
+// ---- copies into host memory by host functions ---------------------------------------------------
+
+// Note [CUDA copyout without blocking]
+// A stream's copyout returns at once with the Event of its bytes (tinydev/stream.hpp), but the
+// caller's memory is pageable, and the driver's cuMemcpyAsync into pageable memory returns only
+// once its stream ran the copy: behind the stream's event waits, which may be for an event the
+// calling thread completes later, and with no timeout. So a copyout that cannot run at once (its
+// lane is busy, or waits for an event not yet complete) goes on the lane's copy stream as: its
+// waits; a cuMemcpyAsync of the source into pinned bounce memory, which is truly asynchronous; a
+// host function (cuLaunchHostFunc) copying the bounce into the caller's memory; then the timeline
+// signal, so the Event completes once the bytes are there. A source larger than the bounce goes in
+// chunks, each a copy then a host function; the bounce is reused with no host wait, because all
+// that uses it is in order on the one copy stream. A pinned source needs no bounce: one host
+// function copies it. A host function only copies: it calls no CUDA function and waits for nothing
+// (as the driver requires), so the driver's running every stream's host functions on one thread
+// delays them by a memcpy at most. The bounce grows by powers of two from 64 KiB to 16 MiB as
+// copyouts need; outgrown ones stay until exit (freeing pinned memory may synchronize the
+// context). If a submission fails after some of its host functions were launched, they are
+// cancelled under their job's mutex before the error reaches the caller (who may then free the
+// memory): a cancelled host function copies nothing. An idle stream (nothing queued, its waits
+// complete, run_inline_when_idle) copies out through the staging ring instead (cuda_stream.cpp):
+// complete on return, and faster for large copies, since the GPU's copy of one chunk overlaps the
+// host's copy of the one before.
+
+// What one copyout's host functions share. The last reference (the submitting thread's, one per
+// HostCopy) deletes it.
+struct HostCopyJob {
+  std::mutex mutex;        // a host function copies holding it
+  bool cancelled = false;  // set under `mutex` when the submission failed
+  std::atomic<std::size_t> references{1};
+};
+
+struct HostCopy {
+  HostCopyJob* job;
+  std::byte* dest;
+  const std::byte* src;
+  std::size_t size;
+};
+
+namespace {
+
+constexpr std::size_t kMinBounceBytes = std::size_t{64} << 10;
+constexpr std::size_t kMaxBounceBytes = std::size_t{16} << 20;
+
+void release(HostCopyJob* job) noexcept {
+  if (job->references.fetch_sub(1, std::memory_order_acq_rel) == 1) delete job;
+}
+
+// The host function (cuLaunchHostFunc): runs on a driver thread, owns `data`.
+void CUDA_CB run_host_copy(void* data) {
+  std::unique_ptr<HostCopy> copy(static_cast<HostCopy*>(data));
+  {
+    std::lock_guard lock(copy->job->mutex);
+    if (!copy->job->cancelled) std::memcpy(copy->dest, copy->src, copy->size);
+  }
+  release(copy->job);
+}
+
+// A HostCopy whose host function was never launched.
+void discard(HostCopy* copy) noexcept {
+  release(copy->job);
+  delete copy;
+}
+
+}  // namespace
+
+// A lane's bounce memory (pinned, device-mapped), made at its first copyout that needs one.
+struct CudaHCQDevice::HostCopies {
+  Allocation bounce{};
+  std::vector<Allocation> outgrown;  // smaller bounces, kept until exit
+};
 
 // ---- programs ---------------------------------------------------------------------------------
 
@@ -556,6 +631,16 @@ std::shared_ptr<Stream> CudaHCQDevice::create_stream(const StreamOptions& option
 }
 
 CudaHCQDevice::~CudaHCQDevice() {
+  // Bounce memory (Note [CUDA copyout without blocking]) goes where nothing can still copy from
+  // it; otherwise, and at exit (the context took it), it is left.
+  if (host_copies_ && !state_->released.load() && idle()) {
+    try {
+      state_->make_current();
+      for (const Allocation& a : host_copies_->outgrown) (void)state_->api.cuMemFreeHost(a.host_ptr());
+      (void)state_->api.cuMemFreeHost(host_copies_->bounce.host_ptr());
+    } catch (const Error&) {
+    }
+  }
   LiveDevices& live = live_devices();
   std::lock_guard lock(live.mutex);
   std::erase(live.devices, this);
@@ -654,6 +739,17 @@ void CudaHCQDevice::check_health() const {
 }
 
 void CudaHCQDevice::submit_commands(CudaLane lane, std::span<const CudaCommand> commands) {
+  std::size_t i = 0;  // the command being issued
+  // However this returns, the host copies from command i on were not launched: with i at the end
+  // when all went well, none (Note [CUDA copyout without blocking]).
+  struct DiscardUnlaunched {
+    std::span<const CudaCommand> commands;
+    const std::size_t& from;
+    ~DiscardUnlaunched() {
+      for (std::size_t j = from; j < commands.size(); ++j)
+        if (commands[j].host_copy) discard(commands[j].host_copy);
+    }
+  } discard_unlaunched{commands, i};
   std::lock_guard lock(submit_mutex());
   throw_if_failed();
   // Note [CUDA queue depth]: a producer far ahead of the GPU waits here, not in the driver (whose
@@ -665,7 +761,7 @@ void CudaHCQDevice::submit_commands(CudaLane lane, std::span<const CudaCommand> 
   CUstream stream = lane == CudaLane::compute ? s.compute : s.copy;
   std::array<CUstreamBatchMemOpParams, 64> batch;
   unsigned batched = 0;
-  std::size_t i = 0, batch_first = 0;  // the command being issued; the first one in `batch`
+  std::size_t batch_first = 0;  // the first command in `batch`
   // `from`: the first command the failed call issued (a batch's first, else the current one).
   const auto issue = [&](CUresult r, std::string_view what, std::size_t from) {
     if (r == CUDA_SUCCESS) [[likely]]
@@ -746,6 +842,12 @@ void CudaHCQDevice::submit_commands(CudaLane lane, std::span<const CudaCommand> 
       }
       case CommandKind::copy:
         flush();
+        if (c.host_copy) {
+          // The host function owns it once launched (Note [CUDA copyout without blocking]).
+          issue(s.api.cuLaunchHostFunc(stream, run_host_copy, c.host_copy), "cuLaunchHostFunc (a copy into host memory)",
+                i);
+          break;
+        }
         if (const CUresult r = s.api.cuMemcpyAsync(static_cast<CUdeviceptr>(c.dest), static_cast<CUdeviceptr>(c.src),
                                                    c.size, stream);
             r != CUDA_SUCCESS) [[unlikely]]
@@ -761,6 +863,70 @@ void CudaHCQDevice::submit_commands(CudaLane lane, std::span<const CudaCommand> 
       last_signal_on_compute_ = lane == CudaLane::compute;
       break;
     }
+}
+
+std::uint64_t CudaHCQDevice::submit_copyout_later(std::span<std::byte> dest, const Allocation& src,
+                                                  std::span<const std::pair<Signal, std::uint64_t>> waits) {
+  std::lock_guard lock(submit_mutex());
+  throw_if_failed();
+  const bool pinned_source = static_cast<const CudaAllocator&>(allocator()).host_visible(src);
+  // The bounce: big enough for the whole copy, or for 16 MiB chunks of it.
+  const std::size_t chunk = pinned_source ? dest.size() : std::min(dest.size(), kMaxBounceBytes);
+  if (!host_copies_) host_copies_ = std::make_unique<HostCopies>();
+  HostCopies& h = *host_copies_;
+  if (!pinned_source && h.bounce.size < chunk) {
+    const std::size_t bytes = std::bit_ceil(std::max(chunk, kMinBounceBytes));
+    const DeviceState& s = *state_;
+    s.make_current();
+    void* p = nullptr;
+    check(s.api.cuMemHostAlloc(&p, bytes, CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP),
+          fmt::format("cuMemHostAlloc of {} bytes (a stream copyout's bounce memory)", bytes), name());
+    if (h.bounce.size) h.outgrown.push_back(h.bounce);
+    h.bounce = Allocation{reinterpret_cast<std::uintptr_t>(p), bytes, CudaAllocator::pinned_tag()};
+  }
+  auto reservation = reserve_timeline_value();
+  const std::uint64_t value = reservation.value();
+  const std::size_t chunks = pinned_source ? 1 : (dest.size() + chunk - 1) / std::max<std::size_t>(chunk, 1);
+  std::vector<CudaCommand> commands;
+  commands.reserve(waits.size() + 2 + 2 * chunks);  // exactly: the push_backs below do not throw
+  commands.push_back(CudaSignalPrimitives::wait(timeline_signal(), value - 1));
+  for (const auto& [signal, wanted] : waits) commands.push_back(CudaSignalPrimitives::wait(signal, wanted));
+  auto* job = new HostCopyJob;
+  bool handed_over = false;  // the HostCopies are submit_commands' (then their host functions')
+  try {
+    const auto host_copy = [&](std::byte* to, const std::byte* from, std::size_t n) {
+      auto* copy = new HostCopy{job, to, from, n};
+      job->references.fetch_add(1, std::memory_order_relaxed);
+      commands.push_back(CudaCommand{.kind = CommandKind::copy, .host_copy = copy});
+    };
+    if (pinned_source) {
+      host_copy(dest.data(), src.host_ptr<std::byte>(), dest.size());
+    } else {
+      for (std::size_t i = 0; i < dest.size(); i += chunk) {
+        const std::size_t n = std::min(chunk, dest.size() - i);
+        commands.push_back(
+            CudaCommand{.kind = CommandKind::copy, .dest = h.bounce.va_addr, .src = src.va_addr + i, .size = n});
+        host_copy(dest.data() + i, h.bounce.host_ptr<std::byte>(), n);
+      }
+    }
+    commands.push_back(CudaSignalPrimitives::signal(timeline_signal(), value));
+    handed_over = true;
+    submit_commands(CudaLane::copy, commands);
+  } catch (...) {
+    if (!handed_over)
+      for (const CudaCommand& c : commands)
+        if (c.host_copy) discard(c.host_copy);
+    {
+      // What was launched copies nothing from now on: the caller may free `dest` once told.
+      std::lock_guard job_lock(job->mutex);
+      job->cancelled = true;
+    }
+    release(job);
+    throw;
+  }
+  release(job);
+  reservation.submitted();
+  return value;
 }
 
 std::optional<double> CudaHCQDevice::launch_direct(const CudaProgram& program, const std::byte* args,

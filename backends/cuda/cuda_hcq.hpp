@@ -35,6 +35,7 @@
 
 #include <array>
 #include <atomic>
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -42,6 +43,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 
 #include "tinydev/hcq.hpp"
 #include "tinydev/hcq_stream.hpp"
@@ -117,6 +119,11 @@ class CudaProgram final : public Program {
   std::atomic<std::uint64_t> last_direct_value_{0};  // a timeline value at or after the last direct call's
 };
 
+// A copy between host memories that a host function makes on a stream (cuLaunchHostFunc): how a
+// lane's copyout reaches the caller's pageable memory (Note [CUDA copyout without blocking] in
+// cuda_device.cpp, which defines it).
+struct HostCopy;
+
 // One recorded command (a queue's word). Which fields matter depends on `kind`.
 struct CudaCommand {
   CommandKind kind{};
@@ -127,6 +134,9 @@ struct CudaCommand {
   std::uint32_t kernarg_bytes = 0;
   Dim3 global{1, 1, 1}, local{1, 1, 1};
   std::uint64_t dest = 0, src = 0, size = 0;  // copy
+  // copy: made by a host function instead (dest, src and size unused). Owned by the command until
+  // submit_commands launches it (then by the host function) or drops it (a failed submission).
+  HostCopy* host_copy = nullptr;
 };
 
 enum class CudaLane : std::uint8_t { compute, copy };
@@ -243,6 +253,13 @@ class CudaHCQDevice final : public HCQCompiled<CudaComputeQueue, CudaCopyQueue> 
 
   // Issues `commands` on the lane's stream (Note [CUDA queues], Note [CUDA failures]).
   void submit_commands(CudaLane lane, std::span<const CudaCommand> commands);
+  // A stream's copyout that returns at once (Note [CUDA copyout without blocking] in
+  // cuda_device.cpp): on this lane's copy stream, after its timeline's last value and `waits`,
+  // `src` (exactly dest.size() bytes) through pinned bounce memory into `dest`, then the
+  // timeline's next value, which it returns. The caller holds submit_mutex() and keeps `dest`
+  // alive and `src` allocated until that value is reached.
+  std::uint64_t submit_copyout_later(std::span<std::byte> dest, const Allocation& src,
+                                     std::span<const std::pair<Signal, std::uint64_t>> waits);
   // Launches a program outside any queue, ordered on the timeline (CudaProgram::operator()).
   std::optional<double> launch_direct(const CudaProgram& program, const std::byte* args, std::uint32_t bytes,
                                       Dim3 global, Dim3 local, bool timed);
@@ -302,6 +319,8 @@ class CudaHCQDevice final : public HCQCompiled<CudaComputeQueue, CudaCopyQueue> 
   void drop_span(std::optional<ProfileRecord>& span);
   std::shared_ptr<DeviceState> state_;
   KernargsPages kernargs_;
+  struct HostCopies;  // Note [CUDA copyout without blocking]: a lane's bounce memory and host copies
+  std::unique_ptr<HostCopies> host_copies_;  // made at a lane's first copyout that returns at once
   CudaHCQDevice* parent_ = nullptr;  // a lane's device
   StreamLanes<CudaHCQDevice> lanes_;
   // The compute stream's order covers the timeline's last value (it was signalled or waited for

@@ -4,21 +4,22 @@
 // A stream runs on a lane: a CudaHCQDevice of its own (cuda_hcq.hpp) with two non-blocking CUDA
 // streams, a timeline that never wraps, its own staging ring (4 pinned slots of 2 MiB: a request's
 // copies, not a model's) and kernel-argument pages, in the parent's context, running the parent's
-// programs on the parent's buffers, with the signals every CUDA device shares. Each operation is one submission on the lane, as on the CPU (Note [CPU
-// streams]): a wait for the lane's previous timeline value, waits for the events given to wait()
-// since, the work, and a signal of the next value; the Event returned is (lane timeline, that
-// value). Two streams' kernels and copies therefore run at once on the GPU, ordered only through
-// events, which are stream memory operations on the shared signals (a GPU-side wait: the host does
-// not block). Graph replays are the lane's native CUDA graphs, launched on its compute stream.
-// Unlike a CPU stream, nothing runs on the caller (StreamOptions::run_inline_when_idle does not
-// apply: a GPU kernel cannot run on the host). A copyout goes through the lane's pinned ring after
-// the lane's work and returns once the bytes are in the caller's memory (a cuMemcpyAsync into
-// pageable memory would too, but inside the driver, behind the event waits, with no timeout), so
-// the Event it returns is already complete. The GPU runs at most CUDA_DEVICE_MAX_CONNECTIONS (8 by
-// default) hardware queues: beyond that, streams share them, and a stream waiting for an event
-// holds up the others on its queue until the event completes (no deadlock: every wait is for work
-// submitted before it). What the queued work uses (Buffers, the Program) is held until the
-// timeline passed it and let go by a later call on the caller's thread.
+// programs on the parent's buffers, with the signals every CUDA device shares. Each operation is
+// one submission on the lane, as on the CPU (Note [CPU streams]): a wait for the lane's previous
+// timeline value, waits for the events given to wait() since, the work, and a signal of the next
+// value; the Event returned is (lane timeline, that value). Two streams' kernels and copies
+// therefore run at once on the GPU, ordered only through events, which are stream memory operations
+// on the shared signals (a GPU-side wait: the host does not block). Graph replays are the lane's
+// native CUDA graphs, launched on its compute stream. Unlike a CPU stream's, its kernels never run on
+// the caller (a GPU kernel cannot run on the host). A copyout returns at once: on a busy lane, through pinned bounce memory and a host
+// function that copies into the caller's memory (Note [CUDA copyout without blocking] in
+// cuda_device.cpp; not a cuMemcpyAsync into pageable memory, which the driver runs synchronously
+// behind the event waits); on an idle one (nothing queued, its waits complete,
+// run_inline_when_idle), through the lane's staging ring, complete on return. The GPU runs at most
+// CUDA_DEVICE_MAX_CONNECTIONS (8 by default) hardware queues: beyond that, streams share them, and
+// a stream waiting for an event holds up the others on its queue until the event completes (no
+// deadlock: every wait is for work submitted before it). What the queued work uses (Buffers, the
+// Program) is held until the timeline passed it and let go by a later call on the caller's thread.
 #include "cuda_hcq.hpp"
 #include "tinydev/hcq_stream.hpp"
 
@@ -28,9 +29,7 @@ namespace {
 class CudaStream final : public HCQLaneStream<CudaHCQDevice> {
  public:
   CudaStream(CudaHCQDevice& device, CudaHCQDevice& lane, const StreamOptions& options)
-      : HCQLaneStream(device, lane) {
-    (void)options;  // run_inline_when_idle: a GPU's work does not run on the caller
-  }
+      : HCQLaneStream(device, lane), copy_out_inline_when_idle_(options.run_inline_when_idle) {}
 
   Event copyin(const Buffer& dest, std::span<const std::byte> src) override {
     check_copyin(dest, src.size());
@@ -39,15 +38,21 @@ class CudaStream final : public HCQLaneStream<CudaHCQDevice> {
     return copyin_through_lane(dest, src);
   }
 
-  // Through the lane's pinned ring (the allocator's pipelined copyout, after the lane's work and
-  // its event waits, bounded by its timeout), not a cuMemcpyAsync into pageable memory, which the
-  // driver runs synchronously behind the waits with no bound. Returns once the bytes are there.
+  // Returns at once (Note [CUDA streams]): an idle lane copies through its staging ring (the
+  // allocator's pipelined copyout) and the Event is complete; a busy one queues the copy through
+  // bounce memory (Note [CUDA copyout without blocking]).
   Event copyout(std::span<std::byte> dest, const Buffer& src) override {
     check_copyout(dest.size(), src);
     std::lock_guard lock(lane_.submit_mutex());
     prepare();
-    flush_waits();
-    lane_.allocator().copyout(dest, src.allocation());
+    // Waits for events that completed already order nothing.
+    std::erase_if(waits_, [](const auto& w) { return w.first.slot().value.load(std::memory_order_acquire) >= w.second; });
+    if (copy_out_inline_when_idle_ && waits_.empty() && lane_.idle()) {
+      lane_.allocator().copyout(dest, src.allocation());
+    } else {
+      lane_.submit_copyout_later(dest, src.allocation(), waits_);
+      waits_.clear();
+    }
     return finish(std::span(&src, 1), nullptr);
   }
 
@@ -65,6 +70,7 @@ class CudaStream final : public HCQLaneStream<CudaHCQDevice> {
 
  private:
   bool made_here(const Graph& graph) const noexcept override { return is_cuda_graph_of(graph, lane_); }
+  const bool copy_out_inline_when_idle_;  // StreamOptions::run_inline_when_idle
 };
 
 }  // namespace

@@ -4,7 +4,7 @@
 // A Stream is an independent in-order queue of work on a device, with its own worker queues and
 // timeline: work on different streams runs concurrently and is ordered only through Events, as
 // CUDA streams and events, c10 streams or IREE queues with semaphores. Every operation returns at
-// once (or, on an idle CPU stream, after running the work on the caller: StreamOptions) with the
+// once (or, on an idle stream, after running the work on the caller: StreamOptions) with the
 // Event its work completes. Compiled::create_stream makes one; the device's default queue (the
 // plain Buffer and Program calls) is not a Stream and is ordered with streams only through
 // synchronize (the device's waits for every stream) or events.
@@ -43,7 +43,8 @@ struct StreamOptions {
   // calling thread, as a direct Program call on an idle device does, and its Event is complete
   // when the call returns: a worker hand-off costs microseconds that a small request feels. Set
   // false to have every operation return at once and run on the stream's worker, overlapping the
-  // caller's own work.
+  // caller's own work. CUDA: only copyout runs on the caller when the stream is idle (through the
+  // staging ring); kernels always run on the GPU.
   bool run_inline_when_idle = true;
 };
 

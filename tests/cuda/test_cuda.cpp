@@ -7,7 +7,9 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <atomic>
+#include <bit>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
@@ -1251,6 +1253,130 @@ TEST_CASE("cuda fake: lanes are reused after their stream is dropped and 64 stre
   CHECK_THROWS_WITH(dev->create_stream(), Catch::Contains("64 streams are alive already"));
   alive.pop_back();
   CHECK_NOTHROW(alive.push_back(dev->create_stream()));
+}
+
+namespace {
+
+// Host memory that no copy has written yet: a NaN with a payload no float computation makes.
+std::vector<float> sentinel_floats(std::size_t n) {
+  return std::vector<float>(n, std::bit_cast<float>(std::uint32_t{0x7fc0beefu}));
+}
+bool all_sentinel(const std::vector<float>& v) {
+  return std::all_of(v.begin(), v.end(), [](float f) { return std::bit_cast<std::uint32_t>(f) == 0x7fc0beefu; });
+}
+
+}  // namespace
+
+TEST_CASE("cuda gpu: a stream's copyout behind an event returns at once - in chunks through bounce memory - pinned sources too - in stream order", "[cuda][gpu]") {
+  Compiled* dev = gpu();
+  if (!dev) return;
+  auto add = dev->load_kernel("add", kernels::add_f32(SourceLanguage::CUDA));
+  const std::size_t big_n = (5u << 20) + 3;  // 20 MiB and 12 bytes: two chunks of the 16 MiB bounce
+  const std::size_t n = 1000 + fresh_seed() % 3000;
+  const auto big_x = random_floats(big_n, fresh_seed()), x = random_floats(n, fresh_seed()),
+             pinned_x = random_floats(n, fresh_seed());
+  Buffer big(dev->name(), big_n, dtypes::float32), small(dev->name(), n, dtypes::float32),
+      pinned(dev->name(), n, dtypes::float32, BufferOptions{.host = true});
+  for (Buffer* buffer : {&big, &small, &pinned}) buffer->allocate();
+  big.copyin(std::span<const float>(big_x));
+  small.copyin(std::span<const float>(x));
+  pinned.copyin(std::span<const float>(pinned_x));
+  dev->synchronize();
+  auto stream = dev->create_stream();
+  auto* hcq = dynamic_cast<cuda::CudaHCQDevice*>(dev);
+  REQUIRE(hcq);
+  Signal gate = hcq->alloc_signal(0);
+  stream->wait(Event(gate, 1, nullptr));
+  auto big_back = sentinel_floats(big_n), back = sentinel_floats(n), doubled_back = sentinel_floats(n),
+       pinned_back = sentinel_floats(n);
+  const auto start = std::chrono::steady_clock::now();
+  Event big_done = stream->copyout(std::as_writable_bytes(std::span(big_back)), big);
+  Event small_done = stream->copyout(std::as_writable_bytes(std::span(back)), small);
+  // Stream order: the kernel runs after the copyout above read `small`, the next copyout after it.
+  const Buffer twice[] = {small, small, small};
+  const std::int32_t count[] = {static_cast<std::int32_t>(n)};
+  stream->launch(add, twice, count, LaunchParams{.global = {static_cast<std::uint32_t>((n + 255) / 256), 1, 1},
+                                                 .local = {256, 1, 1}});
+  Event doubled_done = stream->copyout(std::as_writable_bytes(std::span(doubled_back)), small);
+  Event pinned_done = stream->copyout(std::as_writable_bytes(std::span(pinned_back)), pinned);
+  // All of it returned while the gate is shut (not after a timeout), and nothing arrived yet.
+  CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(2));
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  CHECK_FALSE(big_done.query());
+  CHECK_FALSE(pinned_done.query());
+  CHECK(all_sentinel(big_back));
+  CHECK(all_sentinel(back));
+  CHECK(all_sentinel(pinned_back));
+  gate.set(1);
+  pinned_done.wait(std::chrono::seconds(10));
+  CHECK(big_done.query());
+  CHECK(small_done.query());
+  CHECK(doubled_done.query());
+  CHECK(big_back == big_x);
+  CHECK(back == x);
+  for (std::size_t i = 0; i < n; ++i) REQUIRE(doubled_back[i] == x[i] + x[i]);
+  CHECK(pinned_back == pinned_x);
+  // An idle stream copies out on the caller: the Event is complete when the call returns.
+  stream->synchronize();
+  auto again = sentinel_floats(big_n);
+  CHECK(stream->copyout(std::as_writable_bytes(std::span(again)), big).query());
+  CHECK(again == big_x);
+  hcq->free_signal(gate);
+}
+
+TEST_CASE("cuda fake: stream copyouts never make the driver copy into pageable memory - and run_inline_when_idle=false queues even an idle one", "[cuda][fake]") {
+  auto* dev = fake_hcq();
+  if (!dev) return;
+  const std::size_t n = 2000 + fresh_seed() % 2000;
+  const auto x = random_floats(n, fresh_seed());
+  Buffer b(dev->name(), n, dtypes::float32);
+  b.allocate();
+  b.copyin(std::span<const float>(x));
+  dev->synchronize();
+  const long synchronous = fake_calls("cuMemcpyAsync (synchronous)"), host_functions = fake_calls("cuLaunchHostFunc");
+  auto inline_stream = dev->create_stream(), queued_stream = dev->create_stream(StreamOptions{.run_inline_when_idle = false});
+  auto back = sentinel_floats(n);
+  CHECK(inline_stream->copyout(std::as_writable_bytes(std::span(back)), b).query());  // through the ring
+  CHECK(back == x);
+  CHECK(fake_calls("cuLaunchHostFunc") == host_functions);
+  back = sentinel_floats(n);
+  queued_stream->copyout(std::as_writable_bytes(std::span(back)), b).wait(std::chrono::seconds(10));
+  CHECK(back == x);
+  CHECK(fake_calls("cuLaunchHostFunc") == host_functions + 1);
+  CHECK(fake_calls("cuMemcpyAsync (synchronous)") == synchronous);
+}
+
+TEST_CASE("cuda fake: a stream copyout whose submission fails writes nothing into the caller's memory - not even chunks already queued - and the stream recovers", "[cuda][fake]") {
+  auto* dev = fake_hcq();
+  if (!dev) return;
+  const std::size_t n = (5u << 20) + 3;  // two chunks
+  const auto x = random_floats(n, fresh_seed());
+  Buffer b(dev->name(), n, dtypes::float32);
+  b.allocate();
+  b.copyin(std::span<const float>(x));
+  dev->synchronize();
+  auto stream = dev->create_stream();
+  for (const char* failing : {"cuMemcpyAsync", "cuLaunchHostFunc"}) {
+    INFO(failing);
+    Signal gate = dev->alloc_signal(0);
+    stream->wait(Event(gate, 1, nullptr));
+    auto back = sentinel_floats(n);
+    {
+      // The second chunk's call fails: the first chunk's copy and host function are queued by then.
+      FakeEnv fail("FAKE_CUDA_FAIL", fmt::format("{}@{}=1", failing, fake_calls(failing) + 2));
+      CHECK_THROWS_WITH(stream->copyout(std::as_writable_bytes(std::span(back)), b),
+                        Catch::Contains(failing) && Catch::Contains("CUDA_ERROR_INVALID_VALUE"));
+    }
+    CHECK_THAT(stream->fault(), Catch::Contains(failing));
+    gate.set(1);  // the queued chunk runs now, and its host function must copy nothing
+    CHECK_THAT(stream->recover(std::chrono::seconds(10)), Catch::Contains(failing));
+    CHECK(all_sentinel(back));
+    // The stream works again, through the same bounce memory.
+    stream->wait(Event(gate, 1, nullptr));
+    stream->copyout(std::as_writable_bytes(std::span(back)), b).wait(std::chrono::seconds(10));
+    CHECK(back == x);
+    dev->free_signal(gate);
+  }
 }
 
 TEST_CASE("cuda gpu: 4 clients with a stream each make 200 requests each and every result is right", "[cuda][gpu]") {

@@ -11,13 +11,16 @@
 //  - each stream is a thread running its work in order, as a GPU's stream runs asynchronously to
 //    the host: kernels, copies, stream memory operations (a wait polls the word, a write stores it
 //    and wakes nobody, as a GPU's does), host functions and events; cuStreamSynchronize,
-//    cuStreamQuery, cuEventSynchronize and cuCtxSynchronize wait for or look at that work;
+//    cuStreamQuery, cuEventSynchronize and cuCtxSynchronize wait for or look at that work; a
+//    cuMemcpyAsync into pageable memory, or between host memories, returns only once its stream
+//    ran it, as the driver's does (fake_cuda_calls("cuMemcpyAsync (synchronous)") counts them);
 //  - a kernel touching memory the fake did not hand out fails when it runs with
 //    CUDA_ERROR_ILLEGAL_ADDRESS, which, as on a GPU, is sticky: every later call in that context
 //    returns it;
 //  - FAKE_CUDA_FAIL="cuLaunchKernel=719,cuMemAlloc_v2=2" makes those functions return that
-//    CUresult (read on every call), and "run:add=719" makes kernel `add` fail when it runs (a
-//    sticky error), so the backend's error paths run in CI;
+//    CUresult (read on every call), "cuMemcpyAsync@7=1" only the 7th call (counted as
+//    fake_cuda_calls counts), and "run:add=719" makes kernel `add` fail when it runs (a sticky
+//    error), so the backend's error paths run in CI;
 //  - graphs: kernel, 1-D copy and empty nodes, instantiated, patched (cuGraphExec*NodeSetParams)
 //    and launched on a stream, running their nodes in an order their dependencies allow that is
 //    as far from the order they were added as it gets (the latest-added ready node first), so a
@@ -128,8 +131,9 @@ std::size_t env_number(const char* name, std::size_t fallback) {
   return v && *v ? std::strtoull(v, nullptr, 10) : fallback;
 }
 
-// The result FAKE_CUDA_FAIL asks `function` to return, or CUDA_SUCCESS.
-CUresult injected(std::string_view function) {
+// The result FAKE_CUDA_FAIL asks `function` to return, or CUDA_SUCCESS. An item "name@N=code"
+// fails only the function's N-th call (`call`, counted as fake_cuda_calls counts).
+CUresult injected(std::string_view function, long call = 0) {
   const char* spec = std::getenv("FAKE_CUDA_FAIL");
   if (!spec) return CUDA_SUCCESS;
   std::string_view rest(spec);
@@ -137,7 +141,12 @@ CUresult injected(std::string_view function) {
     const auto comma = rest.find(',');
     const std::string_view item = rest.substr(0, comma);
     const auto eq = item.find('=');
-    if (eq != std::string_view::npos && item.substr(0, eq) == function)
+    std::string_view name = item.substr(0, eq);
+    const auto at = name.find('@');
+    const bool this_call = at == std::string_view::npos ||
+                           std::strtol(std::string(name.substr(at + 1)).c_str(), nullptr, 10) == call;
+    name = name.substr(0, at);
+    if (eq != std::string_view::npos && name == function && this_call)
       return static_cast<CUresult>(std::strtol(std::string(item.substr(eq + 1)).c_str(), nullptr, 10));
     if (comma == std::string_view::npos) break;
     rest.remove_prefix(comma + 1);
@@ -150,15 +159,14 @@ std::map<std::string, long, std::less<>>& calls() {
   static auto* c = new std::map<std::string, long, std::less<>>;
   return *c;
 }
-void count_call(std::string_view function) {
+long count_call(std::string_view function) {  // returns this call's number, from 1
   std::lock_guard lock(g_calls_mutex);
   auto it = calls().find(function);
   if (it == calls().end()) it = calls().emplace(std::string(function), 0).first;
-  it->second += 1;
+  return it->second += 1;
 }
 #define FAKE_INJECT(name)                                  \
-  count_call(#name);                                       \
-  if (CUresult r = injected(#name); r != CUDA_SUCCESS) return r
+  if (CUresult r = injected(#name, count_call(#name)); r != CUDA_SUCCESS) return r
 
 // The current context's sticky error, if any (every call in a poisoned context returns it).
 #define FAKE_STICKY()                                                                       \
@@ -704,10 +712,26 @@ CUresult CUDAAPI cuMemcpyAsync(CUdeviceptr dest, CUdeviceptr src, size_t size, C
   FAKE_INJECT(cuMemcpyAsync);
   FAKE_STICKY();
   // Unified addressing: either end may be host memory; the device ends are checked when it runs.
-  return submit(stream, [=] {
+  // How far it is asynchronous depends on the ends, as the driver's API sync behaviour says:
+  // from pageable memory to a GPU the bytes are staged before it returns; into pageable memory,
+  // or between two host memories, it returns only once the stream ran the copy (behind whatever
+  // the stream waits for). Only device and pinned memory on both ends leave it fully async.
+  const int to = home_of(dest), from = home_of(src);
+  if (from == -2 && to >= 0) {
+    auto staged = std::make_shared<std::vector<std::byte>>(reinterpret_cast<const std::byte*>(src),
+                                                           reinterpret_cast<const std::byte*>(src) + size);
+    return submit(stream, [=] {
+      if (!copy_ends_ok(dest, 0, size)) return CUDA_ERROR_ILLEGAL_ADDRESS;
+      return device_copy(reinterpret_cast<void*>(dest), staged->data(), size);
+    });
+  }
+  const CUresult r = submit(stream, [=] {
     if (!copy_ends_ok(dest, src, size)) return CUDA_ERROR_ILLEGAL_ADDRESS;
     return device_copy(reinterpret_cast<void*>(dest), reinterpret_cast<const void*>(src), size);
   });
+  if (r != CUDA_SUCCESS || !stream || !(to == -2 || (to < 0 && from < 0))) return r;
+  count_call("cuMemcpyAsync (synchronous)");  // fake_cuda_calls counts these too
+  return stream_of(stream)->synchronize();
 }
 
 CUresult CUDAAPI cuModuleLoadData(CUmodule* module, const void* image) {
@@ -797,6 +821,15 @@ CUresult CUDAAPI cuLaunchKernel(CUfunction function, unsigned int gx, unsigned i
   FakeDevice* device = t_current;
   return submit(stream, [f, device, args = std::move(args), grid = Dim{gx, gy, gz}, block = Dim{bx, by, bz}] {
     return run_kernel(*f, *device, args, grid, block);
+  });
+}
+
+CUresult CUDAAPI cuLaunchHostFunc(CUstream stream, CUhostFn fn, void* data) {
+  FAKE_INJECT(cuLaunchHostFunc);
+  FAKE_STICKY();
+  return submit(stream, [=] {
+    fn(data);
+    return CUDA_SUCCESS;
   });
 }
 
