@@ -12,6 +12,7 @@
 #include <charconv>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <memory>
 #include <mutex>
 #include <set>
@@ -196,63 +197,56 @@ void check_sizes(const std::string& kernel, const std::string& device, Dim3 g, D
 // signal, so the Event completes once the bytes are there. A source larger than the bounce goes in
 // chunks, each a copy then a host function; the bounce is reused with no host wait, because all
 // that uses it is in order on the one copy stream. A pinned source needs no bounce: one host
-// function copies it. A host function only copies: it calls no CUDA function and waits for nothing
-// (as the driver requires), so the driver's running every stream's host functions on one thread
-// delays them by a memcpy at most. The bounce grows by powers of two from 64 KiB to 16 MiB as
-// copyouts need; outgrown ones stay until exit (freeing pinned memory may synchronize the
-// context). If a submission fails after some of its host functions were launched, they are
-// cancelled under their job's mutex before the error reaches the caller (who may then free the
-// memory): a cancelled host function copies nothing. An idle stream (nothing queued, its waits
-// complete, run_inline_when_idle) copies out through the staging ring instead (cuda_stream.cpp):
-// complete on return, and faster for large copies, since the GPU's copy of one chunk overlaps the
-// host's copy of the one before.
-
-// What one copyout's host functions share. The last reference (the submitting thread's, one per
-// HostCopy) deletes it.
-struct HostCopyJob {
-  std::mutex mutex;        // a host function copies holding it
-  bool cancelled = false;  // set under `mutex` when the submission failed
-  std::atomic<std::size_t> references{1};
-};
+// function copies it. A host function calls no CUDA function (as the driver requires) and only
+// copies; the driver may run every stream's host functions on one thread, so one waits for the
+// copies queued before it, at most a bounce (4 MiB) per lane. The bounce grows by powers of two
+// from 64 KiB to 4 MiB as copyouts need (a lane's pinned memory stays under 8 MiB with the
+// outgrown ones, like its staging ring), kept until exit: freeing pinned memory may synchronize
+// the context, behind waits for events not yet complete.
+// What a host function copies is a record of its lane (stable in a deque), dropped once the
+// lane's timeline passed its value: on a healthy lane that means its host function ran (a faulted
+// lane submits nothing until recover(), which first drains its streams). Once the lane's timeline
+// is poisoned (a failed submission, a sticky error), the Events of the copyouts queued before
+// report the failure, and the caller may free their memory: so a host function copies only while
+// the timeline is not poisoned, holding the lane's host-copy mutex, and whoever poisons the
+// timeline holds that mutex while doing so. No host function is then copying when anyone sees
+// the poison, and none copies after. An idle stream (nothing queued, its waits complete,
+// run_inline_when_idle) copies out through the staging ring instead (cuda_stream.cpp): complete
+// on return, and faster for large copies, since the GPU's copy of one chunk overlaps the host's
+// copy of the one before.
 
 struct HostCopy {
-  HostCopyJob* job;
   std::byte* dest;
   const std::byte* src;
   std::size_t size;
+  const SignalSlot* timeline;  // the lane's: poisoned, the copy is not made
+  std::mutex* mutex;           // the lane's host-copy mutex
 };
 
 namespace {
 
 constexpr std::size_t kMinBounceBytes = std::size_t{64} << 10;
-constexpr std::size_t kMaxBounceBytes = std::size_t{16} << 20;
+constexpr std::size_t kMaxBounceBytes = std::size_t{4} << 20;
 
-void release(HostCopyJob* job) noexcept {
-  if (job->references.fetch_sub(1, std::memory_order_acq_rel) == 1) delete job;
-}
-
-// The host function (cuLaunchHostFunc): runs on a driver thread, owns `data`.
+// The host function (cuLaunchHostFunc), on a driver thread.
 void CUDA_CB run_host_copy(void* data) {
-  std::unique_ptr<HostCopy> copy(static_cast<HostCopy*>(data));
-  {
-    std::lock_guard lock(copy->job->mutex);
-    if (!copy->job->cancelled) std::memcpy(copy->dest, copy->src, copy->size);
-  }
-  release(copy->job);
-}
-
-// A HostCopy whose host function was never launched.
-void discard(HostCopy* copy) noexcept {
-  release(copy->job);
-  delete copy;
+  const auto* copy = static_cast<const HostCopy*>(data);
+  std::lock_guard lock(*copy->mutex);
+  if (copy->timeline->poisoned.load(std::memory_order_acquire) == 0) std::memcpy(copy->dest, copy->src, copy->size);
 }
 
 }  // namespace
 
-// A lane's bounce memory (pinned, device-mapped), made at its first copyout that needs one.
+// A lane's host copies (Note [CUDA copyout without blocking]); every lane has one from the start.
 struct CudaHCQDevice::HostCopies {
-  Allocation bounce{};
+  std::mutex mutex;  // held by a host function copying, and by whoever poisons the lane's timeline
+  Allocation bounce{};  // pinned, device-mapped; made at the first copyout that needs one
   std::vector<Allocation> outgrown;  // smaller bounces, kept until exit
+  struct Record {
+    std::uint64_t value;  // the timeline value after which the host function has run
+    HostCopy copy;
+  };
+  std::deque<Record> records;
 };
 
 // ---- programs ---------------------------------------------------------------------------------
@@ -600,6 +594,7 @@ CudaHCQDevice::CudaHCQDevice(CudaHCQDevice& parent, const std::string& lane_name
                   SourceLanguage::CUDA, shared_signal_pool(parent.state_)),
       state_(open_lane_state(*parent.state_, lane_name)),
       kernargs_(lane_name),
+      host_copies_(std::make_unique<HostCopies>()),
       parent_(&parent) {
   never_wrap_timeline();  // its events live on (Note [Timeline wrap])
   clock_offset_ns_ = parent.clock_offset_ns_;  // the same GPU's clock
@@ -631,13 +626,15 @@ std::shared_ptr<Stream> CudaHCQDevice::create_stream(const StreamOptions& option
 }
 
 CudaHCQDevice::~CudaHCQDevice() {
-  // Bounce memory (Note [CUDA copyout without blocking]) goes where nothing can still copy from
-  // it; otherwise, and at exit (the context took it), it is left.
-  if (host_copies_ && !state_->released.load() && idle()) {
+  // Host copies (Note [CUDA copyout without blocking]) go where no host function can still run;
+  // otherwise they are left, records and bounce memory alike (at exit the context takes the memory).
+  if (host_copies_ && (state_->released.load() || !idle())) {
+    (void)host_copies_.release();
+  } else if (host_copies_) {
     try {
       state_->make_current();
       for (const Allocation& a : host_copies_->outgrown) (void)state_->api.cuMemFreeHost(a.host_ptr());
-      (void)state_->api.cuMemFreeHost(host_copies_->bounce.host_ptr());
+      if (host_copies_->bounce.size) (void)state_->api.cuMemFreeHost(host_copies_->bounce.host_ptr());
     } catch (const Error&) {
     }
   }
@@ -666,7 +663,14 @@ std::uint64_t CudaHCQDevice::device_to_cpu_ns(std::uint64_t device_ns, bool) con
 
 void CudaHCQDevice::fail(const std::string& reason) const {
   // The first reason stays: it is the root cause. Waiters on the timeline wake with it.
-  timeline_signal().slot().poison(reason);
+  poison_timeline(timeline_signal().slot(), reason);
+}
+
+void CudaHCQDevice::poison_timeline(SignalSlot& slot, std::string_view reason) const {
+  // Note [CUDA copyout without blocking]: no host function copies while, or after, it is poisoned.
+  std::unique_lock<std::mutex> lock;
+  if (host_copies_ && &slot == timeline_slot()) lock = std::unique_lock(host_copies_->mutex);
+  slot.poison(reason);
 }
 
 bool CudaHCQDevice::queues_idle() const {
@@ -739,17 +743,6 @@ void CudaHCQDevice::check_health() const {
 }
 
 void CudaHCQDevice::submit_commands(CudaLane lane, std::span<const CudaCommand> commands) {
-  std::size_t i = 0;  // the command being issued
-  // However this returns, the host copies from command i on were not launched: with i at the end
-  // when all went well, none (Note [CUDA copyout without blocking]).
-  struct DiscardUnlaunched {
-    std::span<const CudaCommand> commands;
-    const std::size_t& from;
-    ~DiscardUnlaunched() {
-      for (std::size_t j = from; j < commands.size(); ++j)
-        if (commands[j].host_copy) discard(commands[j].host_copy);
-    }
-  } discard_unlaunched{commands, i};
   std::lock_guard lock(submit_mutex());
   throw_if_failed();
   // Note [CUDA queue depth]: a producer far ahead of the GPU waits here, not in the driver (whose
@@ -761,7 +754,7 @@ void CudaHCQDevice::submit_commands(CudaLane lane, std::span<const CudaCommand> 
   CUstream stream = lane == CudaLane::compute ? s.compute : s.copy;
   std::array<CUstreamBatchMemOpParams, 64> batch;
   unsigned batched = 0;
-  std::size_t batch_first = 0;  // the first command in `batch`
+  std::size_t i = 0, batch_first = 0;  // the command being issued; the first one in `batch`
   // `from`: the first command the failed call issued (a batch's first, else the current one).
   const auto issue = [&](CUresult r, std::string_view what, std::size_t from) {
     if (r == CUDA_SUCCESS) [[likely]]
@@ -774,7 +767,7 @@ void CudaHCQDevice::submit_commands(CudaLane lane, std::span<const CudaCommand> 
     }
     // Note [CUDA failures]: what this queue would still have signalled never comes.
     for (std::size_t j = from; j < commands.size(); ++j)
-      if (commands[j].kind == CommandKind::signal) commands[j].slot->poison(reason);
+      if (commands[j].kind == CommandKind::signal) poison_timeline(*commands[j].slot, reason);
     if (r == CUDA_ERROR_OUT_OF_MEMORY) throw OutOfMemory(reason);
     throw Error(reason);
   };
@@ -842,10 +835,9 @@ void CudaHCQDevice::submit_commands(CudaLane lane, std::span<const CudaCommand> 
       }
       case CommandKind::copy:
         flush();
-        if (c.host_copy) {
-          // The host function owns it once launched (Note [CUDA copyout without blocking]).
-          issue(s.api.cuLaunchHostFunc(stream, run_host_copy, c.host_copy), "cuLaunchHostFunc (a copy into host memory)",
-                i);
+        if (c.host_copy) {  // Note [CUDA copyout without blocking]
+          issue(s.api.cuLaunchHostFunc(stream, run_host_copy, const_cast<HostCopy*>(c.host_copy)),
+                "cuLaunchHostFunc (a copy into host memory)", i);
           break;
         }
         if (const CUresult r = s.api.cuMemcpyAsync(static_cast<CUdeviceptr>(c.dest), static_cast<CUdeviceptr>(c.src),
@@ -869,11 +861,21 @@ std::uint64_t CudaHCQDevice::submit_copyout_later(std::span<std::byte> dest, con
                                                   std::span<const std::pair<Signal, std::uint64_t>> waits) {
   std::lock_guard lock(submit_mutex());
   throw_if_failed();
-  const bool pinned_source = static_cast<const CudaAllocator&>(allocator()).host_visible(src);
-  // The bounce: big enough for the whole copy, or for 16 MiB chunks of it.
-  const std::size_t chunk = pinned_source ? dest.size() : std::min(dest.size(), kMaxBounceBytes);
-  if (!host_copies_) host_copies_ = std::make_unique<HostCopies>();
+  // Only a healthy lane lets records go: a faulted one's timeline may show values reached whose
+  // host functions wait behind an event still (Note [CUDA copyout without blocking]).
+  check_usable();
+  if (!host_copies_)
+    throw InvalidArgument(fmt::format("{}: a copyout that returns at once runs on a stream's lane", name()));
   HostCopies& h = *host_copies_;
+  {
+    // Records whose host functions ran are let go (Note [CUDA copyout without blocking]).
+    const std::uint64_t reached = timeline_slot()->value.load(std::memory_order_acquire);
+    std::lock_guard copies_lock(h.mutex);
+    while (!h.records.empty() && h.records.front().value <= reached) h.records.pop_front();
+  }
+  const bool pinned_source = static_cast<const CudaAllocator&>(allocator()).host_visible(src);
+  // The bounce: big enough for the whole copy, or for chunks of it.
+  const std::size_t chunk = pinned_source ? dest.size() : std::min(dest.size(), kMaxBounceBytes);
   if (!pinned_source && h.bounce.size < chunk) {
     const std::size_t bytes = std::bit_ceil(std::max(chunk, kMinBounceBytes));
     const DeviceState& s = *state_;
@@ -886,45 +888,28 @@ std::uint64_t CudaHCQDevice::submit_copyout_later(std::span<std::byte> dest, con
   }
   auto reservation = reserve_timeline_value();
   const std::uint64_t value = reservation.value();
-  const std::size_t chunks = pinned_source ? 1 : (dest.size() + chunk - 1) / std::max<std::size_t>(chunk, 1);
   std::vector<CudaCommand> commands;
-  commands.reserve(waits.size() + 2 + 2 * chunks);  // exactly: the push_backs below do not throw
   commands.push_back(CudaSignalPrimitives::wait(timeline_signal(), value - 1));
   for (const auto& [signal, wanted] : waits) commands.push_back(CudaSignalPrimitives::wait(signal, wanted));
-  auto* job = new HostCopyJob;
-  bool handed_over = false;  // the HostCopies are submit_commands' (then their host functions')
-  try {
-    const auto host_copy = [&](std::byte* to, const std::byte* from, std::size_t n) {
-      auto* copy = new HostCopy{job, to, from, n};
-      job->references.fetch_add(1, std::memory_order_relaxed);
-      commands.push_back(CudaCommand{.kind = CommandKind::copy, .host_copy = copy});
-    };
-    if (pinned_source) {
-      host_copy(dest.data(), src.host_ptr<std::byte>(), dest.size());
-    } else {
-      for (std::size_t i = 0; i < dest.size(); i += chunk) {
-        const std::size_t n = std::min(chunk, dest.size() - i);
-        commands.push_back(
-            CudaCommand{.kind = CommandKind::copy, .dest = h.bounce.va_addr, .src = src.va_addr + i, .size = n});
-        host_copy(dest.data() + i, h.bounce.host_ptr<std::byte>(), n);
-      }
+  const auto host_copy = [&](std::byte* to, const std::byte* from, std::size_t n) {
+    std::lock_guard copies_lock(h.mutex);  // host functions of earlier copies may be running
+    h.records.push_back({value, HostCopy{to, from, n, &timeline_signal().slot(), &h.mutex}});
+    commands.push_back(CudaCommand{.kind = CommandKind::copy, .host_copy = &h.records.back().copy});
+  };
+  if (pinned_source) {
+    host_copy(dest.data(), src.host_ptr<std::byte>(), dest.size());
+  } else {
+    for (std::size_t i = 0; i < dest.size(); i += chunk) {
+      const std::size_t n = std::min(chunk, dest.size() - i);
+      commands.push_back(
+          CudaCommand{.kind = CommandKind::copy, .dest = h.bounce.va_addr, .src = src.va_addr + i, .size = n});
+      host_copy(dest.data() + i, h.bounce.host_ptr<std::byte>(), n);
     }
-    commands.push_back(CudaSignalPrimitives::signal(timeline_signal(), value));
-    handed_over = true;
-    submit_commands(CudaLane::copy, commands);
-  } catch (...) {
-    if (!handed_over)
-      for (const CudaCommand& c : commands)
-        if (c.host_copy) discard(c.host_copy);
-    {
-      // What was launched copies nothing from now on: the caller may free `dest` once told.
-      std::lock_guard job_lock(job->mutex);
-      job->cancelled = true;
-    }
-    release(job);
-    throw;
   }
-  release(job);
+  commands.push_back(CudaSignalPrimitives::signal(timeline_signal(), value));
+  // A failure poisons the timeline (under the host-copy mutex): the host functions launched so
+  // far copy nothing.
+  submit_commands(CudaLane::copy, commands);
   reservation.submitted();
   return value;
 }

@@ -134,9 +134,8 @@ struct CudaCommand {
   std::uint32_t kernarg_bytes = 0;
   Dim3 global{1, 1, 1}, local{1, 1, 1};
   std::uint64_t dest = 0, src = 0, size = 0;  // copy
-  // copy: made by a host function instead (dest, src and size unused). Owned by the command until
-  // submit_commands launches it (then by the host function) or drops it (a failed submission).
-  HostCopy* host_copy = nullptr;
+  // copy: made by a host function instead (dest, src and size unused); a record of the lane's.
+  const HostCopy* host_copy = nullptr;
 };
 
 enum class CudaLane : std::uint8_t { compute, copy };
@@ -235,6 +234,8 @@ class CudaHCQDevice final : public HCQCompiled<CudaComputeQueue, CudaCopyQueue> 
   static constexpr std::size_t kMaxStreams = 64;
   // Takes back a lane whose stream is gone and whose work finished (HCQLaneStream's destructor).
   void return_lane(CudaHCQDevice* lane) { lanes_.give_back(lane); }
+  // A lane whose stream was dropped with work unfinished (HCQLaneStream's destructor).
+  void abandon_lane(CudaHCQDevice* lane) { lanes_.abandon(lane); }
   // Calls f(lane) for each stream lane made on this device so far.
   template <class F>
   void for_each_lane(F&& f) {
@@ -320,7 +321,9 @@ class CudaHCQDevice final : public HCQCompiled<CudaComputeQueue, CudaCopyQueue> 
   std::shared_ptr<DeviceState> state_;
   KernargsPages kernargs_;
   struct HostCopies;  // Note [CUDA copyout without blocking]: a lane's bounce memory and host copies
-  std::unique_ptr<HostCopies> host_copies_;  // made at a lane's first copyout that returns at once
+  std::unique_ptr<HostCopies> host_copies_;  // a lane's, from its construction; nullptr on a device
+  // Poisons `slot` (the timeline's: holding the host-copy mutex, Note [CUDA copyout without blocking]).
+  void poison_timeline(SignalSlot& slot, std::string_view reason) const;
   CudaHCQDevice* parent_ = nullptr;  // a lane's device
   StreamLanes<CudaHCQDevice> lanes_;
   // The compute stream's order covers the timeline's last value (it was signalled or waited for

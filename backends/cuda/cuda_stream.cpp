@@ -29,7 +29,7 @@ namespace {
 class CudaStream final : public HCQLaneStream<CudaHCQDevice> {
  public:
   CudaStream(CudaHCQDevice& device, CudaHCQDevice& lane, const StreamOptions& options)
-      : HCQLaneStream(device, lane), copy_out_inline_when_idle_(options.run_inline_when_idle) {}
+      : HCQLaneStream(device, lane, options), copy_out_inline_when_idle_(options.run_inline_when_idle) {}
 
   Event copyin(const Buffer& dest, std::span<const std::byte> src) override {
     check_copyin(dest, src.size());

@@ -7,7 +7,8 @@
 //
 // Requirements on `Lane` (an HCQCompiled): reserve_timeline_value, last_submitted_value,
 // wait_submitted, compute_queue (whose submit takes the lane), can_reach, check_usable, fault,
-// recover, opened_in_this_process; the parent device has return_lane(Lane*).
+// recover, opened_in_this_process, idle; the parent device has return_lane(Lane*) and
+// abandon_lane(Lane*).
 //
 // Ownership: lanes live as long as the process (events keep pointing at their timelines); a
 // stream holds the Buffers and Programs its queued work uses until the work finished. Thread
@@ -41,7 +42,8 @@ TINYDEV_API_BEGIN
 namespace tinydev {
 
 // A device's stream lanes: made on first use, kept when their stream is dropped and handed to the
-// next one; at most `max` alive at once.
+// next one; at most `max` alive at once. A lane dropped with work that did not finish in time is
+// abandoned, and taken back once that work finished (and the lane has no fault).
 template <class Lane>
 class StreamLanes {
  public:
@@ -50,16 +52,27 @@ class StreamLanes {
   template <class Make>
   Lane* take(std::size_t max, std::string_view device, Make&& make) {
     std::lock_guard lock(mutex_);
+    // Abandoned lanes whose work has finished since are free again.
+    std::erase_if(abandoned_, [&](Lane* lane) {
+      if (!lane->idle() || !lane->fault().empty()) return false;
+      free_.push_back(lane);
+      return true;
+    });
     if (!free_.empty()) {
       Lane* lane = free_.back();
       free_.pop_back();
       return lane;
     }
     if (lanes_.size() >= max)
-      throw InvalidArgument(fmt::format(TINYDEV_FMT("{}: {} streams are alive already, the most one device runs at "
-                                                    "once: drop streams you no longer use, or share them between "
-                                                    "requests"),
-                                        device, max));
+      throw InvalidArgument(fmt::format(
+          TINYDEV_FMT("{}: {} streams are alive already, the most one device runs at once{}: drop streams you no "
+                      "longer use, or share them between requests"),
+          device, max,
+          abandoned_.empty()
+              ? std::string()
+              : fmt::format(TINYDEV_FMT(" ({} of them dropped with work that has not finished, whose lanes come "
+                                        "back once it does)"),
+                            abandoned_.size())));
     lanes_.push_back(make(made_ + 1));
     ++made_;
     return lanes_.back().get();
@@ -67,6 +80,12 @@ class StreamLanes {
   void give_back(Lane* lane) {
     std::lock_guard lock(mutex_);
     free_.push_back(lane);
+  }
+  // A lane whose stream was dropped before its work finished (or with a fault it could not
+  // recover from): not handed out until that work finished and the fault is gone.
+  void abandon(Lane* lane) {
+    std::lock_guard lock(mutex_);
+    abandoned_.push_back(lane);
   }
   // Calls f(lane) for every lane made so far (taken or free).
   template <class F>
@@ -96,25 +115,29 @@ class StreamLanes {
   std::mutex mutex_;
   std::vector<std::unique_ptr<Lane>> lanes_;  // never destroyed: events point at their timelines
   std::vector<Lane*> free_;
+  std::vector<Lane*> abandoned_;
   std::size_t made_ = 0;
 };
 
 template <class Lane>
 class HCQLaneStream : public Stream {
  public:
-  HCQLaneStream(Lane& device, Lane& lane) : device_(device), lane_(lane), name_(&lane.name()) {}
+  HCQLaneStream(Lane& device, Lane& lane, const StreamOptions& options)
+      : device_(device), lane_(lane), name_(&lane.name()), drop_timeout_(options.drop_timeout) {}
 
-  // Waits (at most 30 s) for the work, which reads buffers held here, then gives the lane back. A
-  // lane whose work does not finish, or that cannot recover from a fault, is not reused, and what
-  // its work holds is leaked rather than freed under it.
+  // Waits (at most StreamOptions::drop_timeout) for the work, which reads buffers held here, then
+  // gives the lane back. A lane whose work does not finish in time, or that cannot recover from a
+  // fault, is abandoned (taken back once its work finished: StreamLanes), and what its work holds
+  // is leaked rather than freed under it.
   ~HCQLaneStream() override {
     bool reusable = lane_.opened_in_this_process();
     if (reusable && lane_.fault().empty()) {
       try {
-        synchronize(std::chrono::seconds(30));
+        synchronize(drop_timeout_);
       } catch (const Timeout& e) {
         log_message(LogLevel::warning, *name_,
-                    fmt::format(TINYDEV_FMT("dropped while its work still runs ({}); its lane is not reused"),
+                    fmt::format(TINYDEV_FMT("dropped while its work still runs ({}); its lane is taken back once "
+                                            "that work finished"),
                                 e.what()));
         reusable = false;
       } catch (const std::exception&) {
@@ -130,6 +153,8 @@ class HCQLaneStream : public Stream {
     }
     if (!reusable) {
       keep_for_ever(std::move(held_));
+      // A forked child's lane is the parent's: never handed out here again.
+      if (lane_.opened_in_this_process()) device_.abandon_lane(&lane_);
       return;
     }
     held_.clear();
@@ -360,6 +385,7 @@ class HCQLaneStream : public Stream {
   Lane& device_;
   Lane& lane_;
   const std::string* name_;  // the lane's: lives as long as the process
+  std::chrono::milliseconds drop_timeout_;
   // The lane's submit mutex serializes this stream's operations and guards these two.
   std::vector<std::pair<Signal, std::uint64_t>> waits_;  // events to wait for in the next submission
   std::deque<Held> held_;

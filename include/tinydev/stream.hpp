@@ -13,7 +13,8 @@
 // work uses alive until that work finished, and lets them go on a later call on the stream (or
 // its synchronize) from the calling thread. copyin captures the host bytes before it returns;
 // copyout writes into host memory the caller keeps alive until its Event completed. Dropping a
-// Stream waits (at most 30 s) for its work. An Event stays valid after its stream is gone.
+// Stream waits for its work (at most StreamOptions::drop_timeout, 30 s by default). An Event
+// stays valid after its stream is gone.
 // Thread safety: a Stream may be used from several threads (its operations are serialized); an
 // Event is a value, usable from any thread.
 #pragma once
@@ -43,9 +44,13 @@ struct StreamOptions {
   // calling thread, as a direct Program call on an idle device does, and its Event is complete
   // when the call returns: a worker hand-off costs microseconds that a small request feels. Set
   // false to have every operation return at once and run on the stream's worker, overlapping the
-  // caller's own work. CUDA: only copyout runs on the caller when the stream is idle (through the
-  // staging ring); kernels always run on the GPU.
+  // caller's own work. CUDA: kernels always run on the GPU; an idle stream's copyout runs on the
+  // caller (through the staging ring), a busy one's is queued (docs/serving.md).
   bool run_inline_when_idle = true;
+  // How long dropping the Stream waits for its queued work. Past it, a warning is logged, what the
+  // work uses is kept for the life of the process (never freed under it), and the stream's lane
+  // is taken back only once that work finished; until then it counts toward the device's limit.
+  std::chrono::milliseconds drop_timeout = std::chrono::seconds(30);
 };
 
 // A point in a stream's work: complete once the stream's timeline signal reached `value`.

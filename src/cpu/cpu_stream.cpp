@@ -30,7 +30,7 @@ namespace tinydev::cpu {
 class CpuStream final : public HCQLaneStream<CpuHCQDevice> {
  public:
   CpuStream(CpuHCQDevice& device, CpuHCQDevice& lane, const StreamOptions& options)
-      : HCQLaneStream(device, lane), options_(options) {
+      : HCQLaneStream(device, lane, options), options_(options) {
     // Without inline runs, a copyin goes through the lane's staging ring even when the lane is idle.
     lane_.cpu_allocator().set_force_staging(!options_.run_inline_when_idle);
   }

@@ -5,7 +5,10 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <mutex>
+#include <string>
 #include <thread>
+#include <vector>
 
 #include "cpu_hcq.hpp"
 #include "demo_kernels.hpp"
@@ -202,6 +205,58 @@ TEST_CASE("serving: a stream's copyout does not wait for another stream's work a
     // synchronize of the device covers its streams.
     dev.synchronize();
     CHECK(stream_a->record().query());
+    dev.free_signal(gate);
+  }, kHcqKernels);
+}
+
+TEST_CASE("serving: a stream dropped before its work finished frees nothing under it and its lane comes back once the work finished",
+          "[serving]") {
+  for_each_hcq_device([](auto& dev) {
+    auto add = load_add(dev);
+    const std::size_t n = 64 + fresh_seed() % 200;
+    const auto a = random_floats(n, fresh_seed()), b = random_floats(n, fresh_seed());
+    Buffer out = float_buffer(dev, n);
+    Signal gate = dev.alloc_signal(0);
+    std::vector<std::string> warnings;
+    std::mutex warnings_mutex;
+    set_log_sink([&](LogLevel level, std::string_view, std::string_view message) {
+      std::lock_guard lock(warnings_mutex);
+      if (level == LogLevel::warning) warnings.emplace_back(message);
+    });
+    std::string dropped_name;
+    Event done;
+    {
+      auto stream = dev.create_stream(
+          StreamOptions{.run_inline_when_idle = false, .drop_timeout = std::chrono::milliseconds(50)});
+      dropped_name = stream->name();
+      // The inputs' only handles go with this scope: the queued kernel must still read them.
+      Buffer ba = float_buffer(dev, n), bb = float_buffer(dev, n);
+      stream->copyin(ba, bytes_of(a));
+      stream->copyin(bb, bytes_of(b));
+      stream->wait(Event(gate, 1, nullptr));
+      const Buffer args[] = {out, ba, bb};
+      const std::int32_t values[] = {static_cast<std::int32_t>(n)};
+      done = stream->launch(add, args, values);
+    }  // dropped: waits 50 ms, then gives up on the work
+    set_log_sink(nullptr);
+    REQUIRE(warnings.size() == 1);
+    CHECK_THAT(warnings[0], Catch::Contains("dropped while its work still runs") &&
+                                Catch::Contains("taken back once that work finished"));
+    CHECK_FALSE(done.query());
+    // Its lane is not handed out while the work waits.
+    CHECK(dev.create_stream()->name() != dropped_name);
+    // Memory allocated now must not be the inputs' (they are still held for the queued kernel).
+    Buffer scribble = float_buffer(dev, n), scribble2 = float_buffer(dev, n);
+    const auto noise = random_floats(n, fresh_seed());
+    scribble.copyin(bytes_of(noise));
+    scribble2.copyin(bytes_of(noise));
+    gate.set(1);
+    done.wait(std::chrono::seconds(10));
+    std::vector<float> back(n);
+    out.copyout(bytes_of(back));
+    CHECK(back == add_reference(a, b));
+    // The work finished: the next stream gets the lane back.
+    CHECK(dev.create_stream()->name() == dropped_name);
     dev.free_signal(gate);
   }, kHcqKernels);
 }

@@ -1271,7 +1271,7 @@ TEST_CASE("cuda gpu: a stream's copyout behind an event returns at once - in chu
   Compiled* dev = gpu();
   if (!dev) return;
   auto add = dev->load_kernel("add", kernels::add_f32(SourceLanguage::CUDA));
-  const std::size_t big_n = (5u << 20) + 3;  // 20 MiB and 12 bytes: two chunks of the 16 MiB bounce
+  const std::size_t big_n = (5u << 20) + 3;  // 20 MiB and 12 bytes: six chunks of the 4 MiB bounce
   const std::size_t n = 1000 + fresh_seed() % 3000;
   const auto big_x = random_floats(big_n, fresh_seed()), x = random_floats(n, fresh_seed()),
              pinned_x = random_floats(n, fresh_seed());
@@ -1346,10 +1346,10 @@ TEST_CASE("cuda fake: stream copyouts never make the driver copy into pageable m
   CHECK(fake_calls("cuMemcpyAsync (synchronous)") == synchronous);
 }
 
-TEST_CASE("cuda fake: a stream copyout whose submission fails writes nothing into the caller's memory - not even chunks already queued - and the stream recovers", "[cuda][fake]") {
+TEST_CASE("cuda fake: a stream copyout whose submission fails - or that a later failure of its stream reports failed - writes nothing into the caller's memory and the stream recovers", "[cuda][fake]") {
   auto* dev = fake_hcq();
   if (!dev) return;
-  const std::size_t n = (5u << 20) + 3;  // two chunks
+  const std::size_t n = (5u << 20) + 3;  // six chunks of the bounce
   const auto x = random_floats(n, fresh_seed());
   Buffer b(dev->name(), n, dtypes::float32);
   b.allocate();
@@ -1371,12 +1371,35 @@ TEST_CASE("cuda fake: a stream copyout whose submission fails writes nothing int
     gate.set(1);  // the queued chunk runs now, and its host function must copy nothing
     CHECK_THAT(stream->recover(std::chrono::seconds(10)), Catch::Contains(failing));
     CHECK(all_sentinel(back));
-    // The stream works again, through the same bounce memory.
-    stream->wait(Event(gate, 1, nullptr));
-    stream->copyout(std::as_writable_bytes(std::span(back)), b).wait(std::chrono::seconds(10));
+    // The stream works again, through the same bounce memory (queued: behind a gate still shut).
+    Signal gate2 = dev->alloc_signal(0);
+    stream->wait(Event(gate2, 1, nullptr));
+    Event done = stream->copyout(std::as_writable_bytes(std::span(back)), b);
+    CHECK_FALSE(done.query());
+    gate2.set(1);
+    done.wait(std::chrono::seconds(10));
     CHECK(back == x);
     dev->free_signal(gate);
+    dev->free_signal(gate2);
   }
+  // A later submission on the stream fails while a copyout waits behind a gate: the copyout's
+  // Event reports the failure, so its caller may free the memory; its host function copies nothing.
+  auto add = dev->load_kernel("add", kernels::add_f32(SourceLanguage::CUDA));
+  Signal gate = dev->alloc_signal(0);
+  stream->wait(Event(gate, 1, nullptr));
+  auto back = sentinel_floats(n);
+  Event queued = stream->copyout(std::as_writable_bytes(std::span(back)), b);
+  {
+    FakeEnv fail("FAKE_CUDA_FAIL", "cuLaunchKernel=1");
+    const Buffer args[] = {b, b, b};
+    const std::int32_t count[] = {static_cast<std::int32_t>(n)};
+    CHECK_THROWS_WITH(stream->launch(add, args, count), Catch::Contains("CUDA_ERROR_INVALID_VALUE"));
+  }
+  CHECK_THROWS_AS(queued.wait(std::chrono::seconds(1)), DeviceFault);
+  gate.set(1);
+  CHECK_THAT(stream->recover(std::chrono::seconds(10)), Catch::Contains("CUDA_ERROR_INVALID_VALUE"));
+  CHECK(all_sentinel(back));
+  dev->free_signal(gate);
 }
 
 TEST_CASE("cuda gpu: 4 clients with a stream each make 200 requests each and every result is right", "[cuda][gpu]") {

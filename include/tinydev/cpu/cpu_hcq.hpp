@@ -207,6 +207,8 @@ class CpuHCQDevice : public HCQCompiled<CpuComputeQueue, CpuCopyQueue>, public C
   std::shared_ptr<Stream> create_stream(const StreamOptions& options = {}) override;
   // Takes back a lane whose stream is gone and whose work finished (HCQLaneStream's destructor).
   void return_lane(CpuHCQDevice* lane) { lanes_.give_back(lane); }
+  // A lane whose stream was dropped with work unfinished (HCQLaneStream's destructor).
+  void abandon_lane(CpuHCQDevice* lane) { lanes_.abandon(lane); }
   // The device whose programs this device's queues run: itself, or for a lane its stream's device.
   const std::string& kernels_device() const noexcept { return parent_ ? parent_->name() : name(); }
   // The default queue, then every stream of this device.
