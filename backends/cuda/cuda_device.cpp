@@ -214,13 +214,22 @@ void check_sizes(const std::string& kernel, const std::string& device, Dim3 g, D
 // run_inline_when_idle) copies out through the staging ring instead (cuda_stream.cpp): complete
 // on return, and faster for large copies, since the GPU's copy of one chunk overlaps the host's
 // copy of the one before.
+// A copyin on a busy lane is the mirror image: the caller's bytes are read into memory of the
+// lane's before it returns (copyin's contract), then on the copy stream a host function copies
+// each chunk into the bounce and a cuMemcpyAsync moves it to the GPU. Through the ring it would
+// wait for slots the stream's earlier work still holds (a lane has 4), and into a pinned Buffer
+// the driver's host-to-host cuMemcpyAsync is synchronous: both would block the caller behind the
+// stream's event waits.
 
 struct HostCopy {
   std::byte* dest;
   const std::byte* src;
   std::size_t size;
-  const SignalSlot* timeline;  // the lane's: poisoned, the copy is not made
-  std::mutex* mutex;           // the lane's host-copy mutex
+  // Into memory the caller may free once told of a failure (a copyout's destination, a pinned
+  // Buffer): the lane's timeline, and the copy is not made once it is poisoned. nullptr: into the
+  // lane's bounce (a copyin's), always made.
+  const SignalSlot* timeline;
+  std::mutex* mutex;  // the lane's host-copy mutex
 };
 
 namespace {
@@ -232,7 +241,8 @@ constexpr std::size_t kMaxBounceBytes = std::size_t{4} << 20;
 void CUDA_CB run_host_copy(void* data) {
   const auto* copy = static_cast<const HostCopy*>(data);
   std::lock_guard lock(*copy->mutex);
-  if (copy->timeline->poisoned.load(std::memory_order_acquire) == 0) std::memcpy(copy->dest, copy->src, copy->size);
+  if (!copy->timeline || copy->timeline->poisoned.load(std::memory_order_acquire) == 0)
+    std::memcpy(copy->dest, copy->src, copy->size);
 }
 
 }  // namespace
@@ -245,6 +255,7 @@ struct CudaHCQDevice::HostCopies {
   struct Record {
     std::uint64_t value;  // the timeline value after which the host function has run
     HostCopy copy;
+    std::unique_ptr<std::byte[]> bytes;  // a copyin's captured bytes (its first record's)
   };
   std::deque<Record> records;
 };
@@ -857,35 +868,38 @@ void CudaHCQDevice::submit_commands(CudaLane lane, std::span<const CudaCommand> 
     }
 }
 
-std::uint64_t CudaHCQDevice::submit_copyout_later(std::span<std::byte> dest, const Allocation& src,
-                                                  std::span<const std::pair<Signal, std::uint64_t>> waits) {
-  std::lock_guard lock(submit_mutex());
+CudaHCQDevice::HostCopies& CudaHCQDevice::host_copies_for(std::size_t bounce_bytes, std::string_view what) {
   throw_if_failed();
   // Only a healthy lane lets records go: a faulted one's timeline may show values reached whose
   // host functions wait behind an event still (Note [CUDA copyout without blocking]).
   check_usable();
-  if (!host_copies_)
-    throw InvalidArgument(fmt::format("{}: a copyout that returns at once runs on a stream's lane", name()));
+  if (!host_copies_) throw InvalidArgument(fmt::format("{}: a {} that returns at once runs on a stream's lane", name(), what));
   HostCopies& h = *host_copies_;
   {
-    // Records whose host functions ran are let go (Note [CUDA copyout without blocking]).
     const std::uint64_t reached = timeline_slot()->value.load(std::memory_order_acquire);
     std::lock_guard copies_lock(h.mutex);
     while (!h.records.empty() && h.records.front().value <= reached) h.records.pop_front();
   }
-  const bool pinned_source = static_cast<const CudaAllocator&>(allocator()).host_visible(src);
-  // The bounce: big enough for the whole copy, or for chunks of it.
-  const std::size_t chunk = pinned_source ? dest.size() : std::min(dest.size(), kMaxBounceBytes);
-  if (!pinned_source && h.bounce.size < chunk) {
-    const std::size_t bytes = std::bit_ceil(std::max(chunk, kMinBounceBytes));
+  if (h.bounce.size < bounce_bytes) {
+    const std::size_t bytes = std::bit_ceil(std::max(bounce_bytes, kMinBounceBytes));
     const DeviceState& s = *state_;
     s.make_current();
     void* p = nullptr;
     check(s.api.cuMemHostAlloc(&p, bytes, CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP),
-          fmt::format("cuMemHostAlloc of {} bytes (a stream copyout's bounce memory)", bytes), name());
+          fmt::format("cuMemHostAlloc of {} bytes (a stream {}'s bounce memory)", bytes, what), name());
     if (h.bounce.size) h.outgrown.push_back(h.bounce);
     h.bounce = Allocation{reinterpret_cast<std::uintptr_t>(p), bytes, CudaAllocator::pinned_tag()};
   }
+  return h;
+}
+
+std::uint64_t CudaHCQDevice::submit_copyout_later(std::span<std::byte> dest, const Allocation& src,
+                                                  std::span<const std::pair<Signal, std::uint64_t>> waits) {
+  std::lock_guard lock(submit_mutex());
+  const bool pinned_source = static_cast<const CudaAllocator&>(allocator()).host_visible(src);
+  // The bounce: big enough for the whole copy, or for chunks of it; none for a pinned source.
+  const std::size_t chunk = pinned_source ? dest.size() : std::min(dest.size(), kMaxBounceBytes);
+  HostCopies& h = host_copies_for(pinned_source ? 0 : chunk, "copyout");
   auto reservation = reserve_timeline_value();
   const std::uint64_t value = reservation.value();
   std::vector<CudaCommand> commands;
@@ -893,7 +907,7 @@ std::uint64_t CudaHCQDevice::submit_copyout_later(std::span<std::byte> dest, con
   for (const auto& [signal, wanted] : waits) commands.push_back(CudaSignalPrimitives::wait(signal, wanted));
   const auto host_copy = [&](std::byte* to, const std::byte* from, std::size_t n) {
     std::lock_guard copies_lock(h.mutex);  // host functions of earlier copies may be running
-    h.records.push_back({value, HostCopy{to, from, n, &timeline_signal().slot(), &h.mutex}});
+    h.records.push_back({value, HostCopy{to, from, n, &timeline_signal().slot(), &h.mutex}, nullptr});
     commands.push_back(CudaCommand{.kind = CommandKind::copy, .host_copy = &h.records.back().copy});
   };
   if (pinned_source) {
@@ -909,6 +923,46 @@ std::uint64_t CudaHCQDevice::submit_copyout_later(std::span<std::byte> dest, con
   commands.push_back(CudaSignalPrimitives::signal(timeline_signal(), value));
   // A failure poisons the timeline (under the host-copy mutex): the host functions launched so
   // far copy nothing.
+  submit_commands(CudaLane::copy, commands);
+  reservation.submitted();
+  return value;
+}
+
+std::uint64_t CudaHCQDevice::submit_copyin_later(const Allocation& dest, std::span<const std::byte> src,
+                                                 std::span<const std::pair<Signal, std::uint64_t>> waits) {
+  std::lock_guard lock(submit_mutex());
+  const bool pinned_dest = static_cast<const CudaAllocator&>(allocator()).host_visible(dest);
+  const std::size_t chunk = pinned_dest ? src.size() : std::min(src.size(), kMaxBounceBytes);
+  HostCopies& h = host_copies_for(pinned_dest ? 0 : chunk, "copyin");
+  // The caller's bytes, read now (copyin's contract); the lane's until the copy ran.
+  std::unique_ptr<std::byte[]> captured(new std::byte[std::max<std::size_t>(src.size(), 1)]);
+  std::memcpy(captured.get(), src.data(), src.size());
+  const std::byte* bytes = captured.get();
+  auto reservation = reserve_timeline_value();
+  const std::uint64_t value = reservation.value();
+  std::vector<CudaCommand> commands;
+  commands.push_back(CudaSignalPrimitives::wait(timeline_signal(), value - 1));
+  for (const auto& [signal, wanted] : waits) commands.push_back(CudaSignalPrimitives::wait(signal, wanted));
+  const auto host_copy = [&](std::byte* to, const std::byte* from, std::size_t n) {
+    std::lock_guard copies_lock(h.mutex);
+    // Into the bounce, the lane's own: made even on a poisoned timeline (no GPU copy reads garbage
+    // from it then). Into a pinned Buffer: as a copyout's, not once the timeline is poisoned (the
+    // caller may have freed the Buffer when told).
+    h.records.push_back(
+        {value, HostCopy{to, from, n, pinned_dest ? &timeline_signal().slot() : nullptr, &h.mutex}, std::move(captured)});
+    commands.push_back(CudaCommand{.kind = CommandKind::copy, .host_copy = &h.records.back().copy});
+  };
+  if (pinned_dest) {
+    host_copy(dest.host_ptr<std::byte>(), bytes, src.size());
+  } else {
+    for (std::size_t i = 0; i < src.size(); i += chunk) {
+      const std::size_t n = std::min(chunk, src.size() - i);
+      host_copy(h.bounce.host_ptr<std::byte>(), bytes + i, n);
+      commands.push_back(
+          CudaCommand{.kind = CommandKind::copy, .dest = dest.va_addr + i, .src = h.bounce.va_addr, .size = n});
+    }
+  }
+  commands.push_back(CudaSignalPrimitives::signal(timeline_signal(), value));
   submit_commands(CudaLane::copy, commands);
   reservation.submitted();
   return value;

@@ -261,6 +261,10 @@ class CudaHCQDevice final : public HCQCompiled<CudaComputeQueue, CudaCopyQueue> 
   // alive and `src` allocated until that value is reached.
   std::uint64_t submit_copyout_later(std::span<std::byte> dest, const Allocation& src,
                                      std::span<const std::pair<Signal, std::uint64_t>> waits);
+  // The same for a copyin: `src` is read before this returns, then goes through the bounce memory
+  // by host functions (into a pinned `dest`, directly) on the copy stream.
+  std::uint64_t submit_copyin_later(const Allocation& dest, std::span<const std::byte> src,
+                                    std::span<const std::pair<Signal, std::uint64_t>> waits);
   // Launches a program outside any queue, ordered on the timeline (CudaProgram::operator()).
   std::optional<double> launch_direct(const CudaProgram& program, const std::byte* args, std::uint32_t bytes,
                                       Dim3 global, Dim3 local, bool timed);
@@ -324,6 +328,9 @@ class CudaHCQDevice final : public HCQCompiled<CudaComputeQueue, CudaCopyQueue> 
   std::unique_ptr<HostCopies> host_copies_;  // a lane's, from its construction; nullptr on a device
   // Poisons `slot` (the timeline's: holding the host-copy mutex, Note [CUDA copyout without blocking]).
   void poison_timeline(SignalSlot& slot, std::string_view reason) const;
+  // The lane's host copies, records its timeline passed let go, the bounce at least `bounce_bytes`
+  // (submit mutex held). InvalidArgument on a device that is not a lane, naming `what`.
+  HostCopies& host_copies_for(std::size_t bounce_bytes, std::string_view what);
   CudaHCQDevice* parent_ = nullptr;  // a lane's device
   StreamLanes<CudaHCQDevice> lanes_;
   // The compute stream's order covers the timeline's last value (it was signalled or waited for

@@ -10,16 +10,18 @@
 // value; the Event returned is (lane timeline, that value). Two streams' kernels and copies
 // therefore run at once on the GPU, ordered only through events, which are stream memory operations
 // on the shared signals (a GPU-side wait: the host does not block). Graph replays are the lane's
-// native CUDA graphs, launched on its compute stream. Unlike a CPU stream's, its kernels never run on
-// the caller (a GPU kernel cannot run on the host). A copyout returns at once: on a busy lane, through pinned bounce memory and a host
-// function that copies into the caller's memory (Note [CUDA copyout without blocking] in
-// cuda_device.cpp; not a cuMemcpyAsync into pageable memory, which the driver runs synchronously
-// behind the event waits); on an idle one (nothing queued, its waits complete,
-// run_inline_when_idle), through the lane's staging ring, complete on return. The GPU runs at most
-// CUDA_DEVICE_MAX_CONNECTIONS (8 by default) hardware queues: beyond that, streams share them, and
-// a stream waiting for an event holds up the others on its queue until the event completes (no
-// deadlock: every wait is for work submitted before it). What the queued work uses (Buffers, the
-// Program) is held until the timeline passed it and let go by a later call on the caller's thread.
+// native CUDA graphs, launched on its compute stream. Unlike a CPU stream's, its kernels never run
+// on the caller (a GPU kernel cannot run on the host). A copyout returns at once: on a busy lane,
+// through pinned bounce memory and a host function that copies into the caller's memory (Note [CUDA
+// copyout without blocking] in cuda_device.cpp; not a cuMemcpyAsync into pageable memory, which the
+// driver runs synchronously behind the event waits); on an idle one (nothing queued, its waits
+// complete, run_inline_when_idle), through the lane's staging ring, complete on return. A copyin
+// reads the caller's bytes before it returns, and on a busy lane queues them through the bounce
+// too. The GPU runs at most CUDA_DEVICE_MAX_CONNECTIONS (8 by default) hardware queues: beyond
+// that, streams share them, and a stream waiting for an event holds up the others on its queue
+// until the event completes (no deadlock: every wait is for work submitted before it). What the
+// queued work uses (Buffers, the Program) is held until the timeline passed it and let go by a
+// later call on the caller's thread.
 #include "cuda_hcq.hpp"
 #include "tinydev/hcq_stream.hpp"
 
@@ -29,13 +31,20 @@ namespace {
 class CudaStream final : public HCQLaneStream<CudaHCQDevice> {
  public:
   CudaStream(CudaHCQDevice& device, CudaHCQDevice& lane, const StreamOptions& options)
-      : HCQLaneStream(device, lane, options), copy_out_inline_when_idle_(options.run_inline_when_idle) {}
+      : HCQLaneStream(device, lane, options), copy_inline_when_idle_(options.run_inline_when_idle) {}
 
+  // The bytes are read before this returns. An idle lane stages them through its ring (the
+  // allocator's copyin); a busy one queues them through its bounce memory, since the ring's slots
+  // (and the driver's host-to-host copy into a pinned Buffer) would wait behind the stream's work
+  // (Note [CUDA copyout without blocking]).
   Event copyin(const Buffer& dest, std::span<const std::byte> src) override {
     check_copyin(dest, src.size());
     std::lock_guard lock(lane_.submit_mutex());
     prepare();
-    return copyin_through_lane(dest, src);
+    if (runs_on_caller()) return copyin_through_lane(dest, src);
+    lane_.submit_copyin_later(dest.allocation(), src, waits_);
+    waits_.clear();
+    return finish(std::span(&dest, 1), nullptr);
   }
 
   // Returns at once (Note [CUDA streams]): an idle lane copies through its staging ring (the
@@ -45,9 +54,7 @@ class CudaStream final : public HCQLaneStream<CudaHCQDevice> {
     check_copyout(dest.size(), src);
     std::lock_guard lock(lane_.submit_mutex());
     prepare();
-    // Waits for events that completed already order nothing.
-    std::erase_if(waits_, [](const auto& w) { return w.first.slot().value.load(std::memory_order_acquire) >= w.second; });
-    if (copy_out_inline_when_idle_ && waits_.empty() && lane_.idle()) {
+    if (runs_on_caller()) {
       lane_.allocator().copyout(dest, src.allocation());
     } else {
       lane_.submit_copyout_later(dest, src.allocation(), waits_);
@@ -70,7 +77,14 @@ class CudaStream final : public HCQLaneStream<CudaHCQDevice> {
 
  private:
   bool made_here(const Graph& graph) const noexcept override { return is_cuda_graph_of(graph, lane_); }
-  const bool copy_out_inline_when_idle_;  // StreamOptions::run_inline_when_idle
+  // Whether a copy runs on the caller, through the lane's staging ring: the lane is idle (waits
+  // for events that completed already order nothing) and run_inline_when_idle. The submit mutex
+  // is held.
+  bool runs_on_caller() {
+    std::erase_if(waits_, [](const auto& w) { return w.first.slot().value.load(std::memory_order_acquire) >= w.second; });
+    return copy_inline_when_idle_ && waits_.empty() && lane_.idle();
+  }
+  const bool copy_inline_when_idle_;  // StreamOptions::run_inline_when_idle
 };
 
 }  // namespace

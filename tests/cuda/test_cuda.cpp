@@ -1324,7 +1324,43 @@ TEST_CASE("cuda gpu: a stream's copyout behind an event returns at once - in chu
   hcq->free_signal(gate);
 }
 
-TEST_CASE("cuda fake: stream copyouts never make the driver copy into pageable memory - and run_inline_when_idle=false queues even an idle one", "[cuda][fake]") {
+TEST_CASE("cuda gpu: a stream's copyin behind an event reads the caller's bytes and returns at once - more than the lane's ring holds - into pinned buffers too", "[cuda][gpu]") {
+  Compiled* dev = gpu();
+  if (!dev) return;
+  auto* hcq = dynamic_cast<cuda::CudaHCQDevice*>(dev);
+  REQUIRE(hcq);
+  const std::size_t big_n = (5u << 20) + 3;  // 20 MiB: more than a lane's ring (4 slots of 2 MiB)
+  const std::size_t n = 1000 + fresh_seed() % 3000;
+  const auto big_x = random_floats(big_n, fresh_seed()), pinned_x = random_floats(n, fresh_seed());
+  Buffer big(dev->name(), big_n, dtypes::float32), pinned(dev->name(), n, dtypes::float32, BufferOptions{.host = true});
+  big.allocate();
+  pinned.allocate();
+  auto stream = dev->create_stream();
+  Signal gate = hcq->alloc_signal(0);
+  stream->wait(Event(gate, 1, nullptr));
+  auto big_src = big_x, pinned_src = pinned_x;
+  const auto start = std::chrono::steady_clock::now();
+  Event big_in = stream->copyin(big, std::as_bytes(std::span(big_src)));
+  Event pinned_in = stream->copyin(pinned, std::as_bytes(std::span(pinned_src)));
+  CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(2));
+  // The bytes were read when the calls returned: what the caller does with its memory now is its own.
+  std::fill(big_src.begin(), big_src.end(), 1.5f);
+  std::fill(pinned_src.begin(), pinned_src.end(), 2.5f);
+  auto big_back = sentinel_floats(big_n), pinned_back = sentinel_floats(n);
+  Event big_out = stream->copyout(std::as_writable_bytes(std::span(big_back)), big);
+  Event pinned_out = stream->copyout(std::as_writable_bytes(std::span(pinned_back)), pinned);
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  CHECK_FALSE(big_in.query());
+  CHECK_FALSE(pinned_in.query());
+  gate.set(1);
+  pinned_out.wait(std::chrono::seconds(10));
+  CHECK(big_out.query());
+  CHECK(big_back == big_x);
+  CHECK(pinned_back == pinned_x);
+  hcq->free_signal(gate);
+}
+
+TEST_CASE("cuda fake: stream copies never make the driver copy into pageable memory or between host memories - and run_inline_when_idle=false queues even an idle one", "[cuda][fake]") {
   auto* dev = fake_hcq();
   if (!dev) return;
   const std::size_t n = 2000 + fresh_seed() % 2000;
@@ -1343,7 +1379,21 @@ TEST_CASE("cuda fake: stream copyouts never make the driver copy into pageable m
   queued_stream->copyout(std::as_writable_bytes(std::span(back)), b).wait(std::chrono::seconds(10));
   CHECK(back == x);
   CHECK(fake_calls("cuLaunchHostFunc") == host_functions + 1);
+  // Copies of a pinned Buffer on a busy stream: host functions, not the driver's host-to-host copy
+  // (synchronous: it would block the caller behind the gate for ever).
+  Buffer pinned(dev->name(), n, dtypes::float32, BufferOptions{.host = true});
+  pinned.allocate();
+  Signal gate = dev->alloc_signal(0);
+  inline_stream->wait(Event(gate, 1, nullptr));
+  inline_stream->copyin(pinned, std::as_bytes(std::span(x)));
+  back = sentinel_floats(n);
+  Event out = inline_stream->copyout(std::as_writable_bytes(std::span(back)), pinned);
+  CHECK(all_sentinel(back));
+  gate.set(1);
+  out.wait(std::chrono::seconds(10));
+  CHECK(back == x);
   CHECK(fake_calls("cuMemcpyAsync (synchronous)") == synchronous);
+  dev->free_signal(gate);
 }
 
 TEST_CASE("cuda fake: a stream copyout whose submission fails - or that a later failure of its stream reports failed - writes nothing into the caller's memory and the stream recovers", "[cuda][fake]") {
