@@ -157,6 +157,7 @@ void SignalSlot::poison(std::string_view reason) noexcept {
   const std::size_t n = std::min(reason.size(), sizeof poison_reason - 1);
   std::memcpy(poison_reason, reason.data(), n);
   poison_reason[n] = '\0';
+  poisoned_at.store(value.load(std::memory_order_acquire), std::memory_order_relaxed);
   poisoned.store(1, std::memory_order_seq_cst);
   wake_seq.fetch_add(1, std::memory_order_seq_cst);
   futex_wake_all(&wake_seq);
@@ -233,6 +234,7 @@ Signal SignalPool::alloc(std::uint64_t initial) {
   s.wake_at.store(~std::uint64_t{0});
   s.timestamp_ns.store(0);
   s.poisoned.store(0);
+  s.poisoned_at.store(0);
   s.poison_claim.store(0);
   s.poison_reason[0] = '\0';
   live_ += 1;

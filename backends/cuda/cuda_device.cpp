@@ -207,10 +207,11 @@ void check_sizes(const std::string& kernel, const std::string& device, Dim3 g, D
 // lane's timeline passed its value: on a healthy lane that means its host function ran (a faulted
 // lane submits nothing until recover(), which first drains its streams). Once the lane's timeline
 // is poisoned (a failed submission, a sticky error), the Events of the copyouts queued before
-// report the failure, and the caller may free their memory: so a host function copies only while
-// the timeline is not poisoned, holding the lane's host-copy mutex, and whoever poisons the
-// timeline holds that mutex while doing so. No host function is then copying when anyone sees
-// the poison, and none copies after. An idle stream (nothing queued, its waits complete,
+// and not finished report the failure for good (Note [Events after a poison] in src/stream.cpp),
+// and the caller may free their memory: so a host function copies only while the timeline is not
+// poisoned, or was poisoned at a value its own has reached, holding the lane's host-copy mutex,
+// and whoever poisons the timeline holds that mutex while doing so. No host function is then
+// copying when anyone sees the poison, and none whose Event failed copies after. An idle stream (nothing queued, its waits complete,
 // run_inline_when_idle) copies out through the staging ring instead (cuda_stream.cpp): complete
 // on return, and faster for large copies, since the GPU's copy of one chunk overlaps the host's
 // copy of the one before.
@@ -229,7 +230,8 @@ struct HostCopy {
   // Buffer): the lane's timeline, and the copy is not made once it is poisoned. nullptr: into the
   // lane's bounce (a copyin's), always made.
   const SignalSlot* timeline;
-  std::mutex* mutex;  // the lane's host-copy mutex
+  std::uint64_t value;  // the timeline value its copy's Event waits for
+  std::mutex* mutex;    // the lane's host-copy mutex
 };
 
 namespace {
@@ -241,7 +243,11 @@ constexpr std::size_t kMaxBounceBytes = std::size_t{4} << 20;
 void CUDA_CB run_host_copy(void* data) {
   const auto* copy = static_cast<const HostCopy*>(data);
   std::lock_guard lock(*copy->mutex);
-  if (!copy->timeline || copy->timeline->poisoned.load(std::memory_order_acquire) == 0)
+  // Not once the timeline was poisoned before this copy's value: its Event reports the failure
+  // for good then (Note [Events after a poison] in src/stream.cpp).
+  const SignalSlot* t = copy->timeline;
+  if (!t || t->poisoned.load(std::memory_order_acquire) == 0 ||
+      copy->value <= t->poisoned_at.load(std::memory_order_relaxed))
     std::memcpy(copy->dest, copy->src, copy->size);
 }
 
@@ -868,18 +874,22 @@ void CudaHCQDevice::submit_commands(CudaLane lane, std::span<const CudaCommand> 
     }
 }
 
-CudaHCQDevice::HostCopies& CudaHCQDevice::host_copies_for(std::size_t bounce_bytes, std::string_view what) {
-  throw_if_failed();
+void CudaHCQDevice::release_host_copies() {
   // Only a healthy lane lets records go: a faulted one's timeline may show values reached whose
   // host functions wait behind an event still (Note [CUDA copyout without blocking]).
+  if (!host_copies_ || !fault().empty()) return;
+  const std::uint64_t reached = timeline_slot()->value.load(std::memory_order_acquire);
+  std::lock_guard copies_lock(host_copies_->mutex);
+  auto& records = host_copies_->records;
+  while (!records.empty() && records.front().value <= reached) records.pop_front();
+}
+
+CudaHCQDevice::HostCopies& CudaHCQDevice::host_copies_for(std::size_t bounce_bytes, std::string_view what) {
+  throw_if_failed();
   check_usable();
   if (!host_copies_) throw InvalidArgument(fmt::format("{}: a {} that returns at once runs on a stream's lane", name(), what));
   HostCopies& h = *host_copies_;
-  {
-    const std::uint64_t reached = timeline_slot()->value.load(std::memory_order_acquire);
-    std::lock_guard copies_lock(h.mutex);
-    while (!h.records.empty() && h.records.front().value <= reached) h.records.pop_front();
-  }
+  release_host_copies();
   if (h.bounce.size < bounce_bytes) {
     const std::size_t bytes = std::bit_ceil(std::max(bounce_bytes, kMinBounceBytes));
     const DeviceState& s = *state_;
@@ -907,7 +917,7 @@ std::uint64_t CudaHCQDevice::submit_copyout_later(std::span<std::byte> dest, con
   for (const auto& [signal, wanted] : waits) commands.push_back(CudaSignalPrimitives::wait(signal, wanted));
   const auto host_copy = [&](std::byte* to, const std::byte* from, std::size_t n) {
     std::lock_guard copies_lock(h.mutex);  // host functions of earlier copies may be running
-    h.records.push_back({value, HostCopy{to, from, n, &timeline_signal().slot(), &h.mutex}, nullptr});
+    h.records.push_back({value, HostCopy{to, from, n, &timeline_signal().slot(), value, &h.mutex}, nullptr});
     commands.push_back(CudaCommand{.kind = CommandKind::copy, .host_copy = &h.records.back().copy});
   };
   if (pinned_source) {
@@ -949,7 +959,8 @@ std::uint64_t CudaHCQDevice::submit_copyin_later(const Allocation& dest, std::sp
     // from it then). Into a pinned Buffer: as a copyout's, not once the timeline is poisoned (the
     // caller may have freed the Buffer when told).
     h.records.push_back(
-        {value, HostCopy{to, from, n, pinned_dest ? &timeline_signal().slot() : nullptr, &h.mutex}, std::move(captured)});
+        {value, HostCopy{to, from, n, pinned_dest ? &timeline_signal().slot() : nullptr, value, &h.mutex},
+         std::move(captured)});
     commands.push_back(CudaCommand{.kind = CommandKind::copy, .host_copy = &h.records.back().copy});
   };
   if (pinned_dest) {

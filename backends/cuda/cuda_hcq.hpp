@@ -233,7 +233,10 @@ class CudaHCQDevice final : public HCQCompiled<CudaComputeQueue, CudaCopyQueue> 
   std::shared_ptr<Stream> create_stream(const StreamOptions& options = {}) override;
   static constexpr std::size_t kMaxStreams = 64;
   // Takes back a lane whose stream is gone and whose work finished (HCQLaneStream's destructor).
-  void return_lane(CudaHCQDevice* lane) { lanes_.give_back(lane); }
+  void return_lane(CudaHCQDevice* lane) {
+    lane->release_host_copies();  // its work finished: a copyin's captured bytes go now
+    lanes_.give_back(lane);
+  }
   // A lane whose stream was dropped with work unfinished (HCQLaneStream's destructor).
   void abandon_lane(CudaHCQDevice* lane) { lanes_.abandon(lane); }
   // Calls f(lane) for each stream lane made on this device so far.
@@ -265,6 +268,9 @@ class CudaHCQDevice final : public HCQCompiled<CudaComputeQueue, CudaCopyQueue> 
   // by host functions (into a pinned `dest`, directly) on the copy stream.
   std::uint64_t submit_copyin_later(const Allocation& dest, std::span<const std::byte> src,
                                     std::span<const std::pair<Signal, std::uint64_t>> waits);
+  // Lets go of the host copies (a copyin's captured bytes among them) whose work ran, on a lane
+  // without a fault; a stream calls it before each operation, the lane's return after its work.
+  void release_host_copies();
   // Launches a program outside any queue, ordered on the timeline (CudaProgram::operator()).
   std::optional<double> launch_direct(const CudaProgram& program, const std::byte* args, std::uint32_t bytes,
                                       Dim3 global, Dim3 local, bool timed);

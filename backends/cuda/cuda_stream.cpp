@@ -71,6 +71,7 @@ class CudaStream final : public HCQLaneStream<CudaHCQDevice> {
     allocations_of(buffers, allocations, "launch");
     std::lock_guard lock(lane_.submit_mutex());
     prepare();
+    lane_.release_host_copies();
     auto reservation = lane_.reserve_timeline_value();
     return submit_launch(reservation, cuda_program, program, buffers, allocations, values, params);
   }
@@ -81,6 +82,7 @@ class CudaStream final : public HCQLaneStream<CudaHCQDevice> {
   // for events that completed already order nothing) and run_inline_when_idle. The submit mutex
   // is held.
   bool runs_on_caller() {
+    lane_.release_host_copies();
     std::erase_if(waits_, [](const auto& w) { return w.first.slot().value.load(std::memory_order_acquire) >= w.second; });
     return copy_inline_when_idle_ && waits_.empty() && lane_.idle();
   }

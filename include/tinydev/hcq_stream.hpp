@@ -70,8 +70,8 @@ class StreamLanes {
           device, max,
           abandoned_.empty()
               ? std::string()
-              : fmt::format(TINYDEV_FMT(" ({} of them dropped with work that has not finished, whose lanes come "
-                                        "back once it does)"),
+              : fmt::format(TINYDEV_FMT(" ({} of them dropped with work that has not finished or failed; their "
+                                        "lanes come back once it finished without a fault)"),
                             abandoned_.size())));
     lanes_.push_back(make(made_ + 1));
     ++made_;

@@ -53,7 +53,10 @@ struct alignas(64) SignalSlot {
   alignas(64) std::atomic<std::uint32_t> generation{0};  // bumped by free: stale handles are detected
   std::atomic<std::uint32_t> poison_claim{0};  // the first poisoner writes the reason
   std::atomic<std::uint64_t> timestamp_ns{0};
-  char poison_reason[440] = {};              // written by the claimant before `poisoned` is set
+  // The value the slot held when it was poisoned (written before `poisoned`): an Event past it
+  // reports the failure even once a device writes its value later (Note [Events after a poison]).
+  std::atomic<std::uint64_t> poisoned_at{0};
+  char poison_reason[432] = {};              // written by the claimant before `poisoned` is set
 
   // Stores a value and wakes sleeping waiters (what a device's `signal` command does).
   void store(std::uint64_t v) noexcept;

@@ -44,12 +44,14 @@ struct StreamOptions {
   // calling thread, as a direct Program call on an idle device does, and its Event is complete
   // when the call returns: a worker hand-off costs microseconds that a small request feels. Set
   // false to have every operation return at once and run on the stream's worker, overlapping the
-  // caller's own work. CUDA: kernels always run on the GPU; an idle stream's copyout runs on the
-  // caller (through the staging ring), a busy one's is queued (docs/serving.md).
+  // caller's own work. CUDA: kernels always run on the GPU; an idle stream's copies run on the
+  // caller (through the staging ring), a busy one's are queued, and with false every copy is
+  // queued (a copyin's bytes are still read before it returns; docs/serving.md).
   bool run_inline_when_idle = true;
   // How long dropping the Stream waits for its queued work. Past it, a warning is logged, what the
   // work uses is kept for the life of the process (never freed under it), and the stream's lane
-  // is taken back only once that work finished; until then it counts toward the device's limit.
+  // is taken back only once that work finished without a fault; until then it counts toward the
+  // device's limit.
   std::chrono::milliseconds drop_timeout = std::chrono::seconds(30);
 };
 

@@ -1449,6 +1449,8 @@ TEST_CASE("cuda fake: a stream copyout whose submission fails - or that a later 
   gate.set(1);
   CHECK_THAT(stream->recover(std::chrono::seconds(10)), Catch::Contains("CUDA_ERROR_INVALID_VALUE"));
   CHECK(all_sentinel(back));
+  // The GPU ran past the copyout's value since, but it copied nothing: its Event stays failed.
+  CHECK_THROWS_AS(queued.query(), DeviceFault);
   dev->free_signal(gate);
 }
 

@@ -120,6 +120,34 @@ TEST_CASE("signal: poisoning wakes sleepers with the reason", "[signal]") {
   (void)fresh;
 }
 
+TEST_CASE("signal: an Event past the value its timeline held when poisoned stays failed when the value comes later",
+          "[signal]") {
+  SignalPool pool("EVENTS");
+  const std::uint64_t reached = 10 + fresh_seed() % 100;
+  Signal timeline = pool.alloc(reached);
+  const Event done(timeline, reached, nullptr), pending(timeline, reached + 2, nullptr);
+  CHECK(done.query());
+  CHECK_FALSE(pending.query());
+  timeline.poison("a later submission failed");
+  // Work queued before the failure runs on and writes the timeline past both values.
+  timeline.set(reached + 5);
+  CHECK(done.query());
+  CHECK_NOTHROW(done.wait(10ms));
+  CHECK_THROWS_AS(pending.query(), DeviceFault);
+  CHECK_THROWS_WITH(pending.wait(10ms), Catch::Contains("a later submission failed"));
+  // A waiter poisoned while it waits: failed too, even though the value comes right after.
+  Signal other = pool.alloc(0);
+  const Event waited(other, 1, nullptr);
+  std::thread poisoner([&] {
+    std::this_thread::sleep_for(20ms);
+    other.poison("its queue failed");
+    other.set(1);
+  });
+  CHECK_THROWS_AS(waited.wait(5s), DeviceFault);
+  poisoner.join();
+  CHECK_THROWS_AS(waited.query(), DeviceFault);
+}
+
 TEST_CASE("profile: the writer escapes names and groups events by device", "[profile]") {
   TempDir dir;
   const std::string path = dir.str() + "/t.json";
