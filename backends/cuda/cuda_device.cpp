@@ -903,6 +903,34 @@ CudaHCQDevice::HostCopies& CudaHCQDevice::host_copies_for(std::size_t bounce_byt
   return h;
 }
 
+template <class Fill>
+std::uint64_t CudaHCQDevice::submit_on_copy_stream(std::span<const std::pair<Signal, std::uint64_t>> waits,
+                                                   Fill&& fill) {
+  auto reservation = reserve_timeline_value();
+  const std::uint64_t value = reservation.value();
+  std::vector<CudaCommand> commands;
+  commands.push_back(CudaSignalPrimitives::wait(timeline_signal(), value - 1));
+  for (const auto& [signal, wanted] : waits) commands.push_back(CudaSignalPrimitives::wait(signal, wanted));
+  fill(value, commands);
+  commands.push_back(CudaSignalPrimitives::signal(timeline_signal(), value));
+  // A failure poisons the timeline (under the host-copy mutex): the host functions launched so
+  // far that copy into the caller's memory copy nothing.
+  submit_commands(CudaLane::copy, commands);
+  reservation.submitted();
+  return value;
+}
+
+void CudaHCQDevice::add_host_copy(std::vector<CudaCommand>& commands, std::uint64_t value, std::byte* to,
+                                  const std::byte* from, std::size_t n, bool unless_poisoned,
+                                  std::unique_ptr<std::byte[]> bytes) {
+  HostCopies& h = *host_copies_;
+  std::lock_guard copies_lock(h.mutex);  // host functions of earlier copies may be running
+  h.records.push_back({value,
+                       HostCopy{to, from, n, unless_poisoned ? &timeline_signal().slot() : nullptr, value, &h.mutex},
+                       std::move(bytes)});
+  commands.push_back(CudaCommand{.kind = CommandKind::copy, .host_copy = &h.records.back().copy});
+}
+
 std::uint64_t CudaHCQDevice::submit_copyout_later(std::span<std::byte> dest, const Allocation& src,
                                                   std::span<const std::pair<Signal, std::uint64_t>> waits) {
   std::lock_guard lock(submit_mutex());
@@ -910,32 +938,19 @@ std::uint64_t CudaHCQDevice::submit_copyout_later(std::span<std::byte> dest, con
   // The bounce: big enough for the whole copy, or for chunks of it; none for a pinned source.
   const std::size_t chunk = pinned_source ? dest.size() : std::min(dest.size(), kMaxBounceBytes);
   HostCopies& h = host_copies_for(pinned_source ? 0 : chunk, "copyout");
-  auto reservation = reserve_timeline_value();
-  const std::uint64_t value = reservation.value();
-  std::vector<CudaCommand> commands;
-  commands.push_back(CudaSignalPrimitives::wait(timeline_signal(), value - 1));
-  for (const auto& [signal, wanted] : waits) commands.push_back(CudaSignalPrimitives::wait(signal, wanted));
-  const auto host_copy = [&](std::byte* to, const std::byte* from, std::size_t n) {
-    std::lock_guard copies_lock(h.mutex);  // host functions of earlier copies may be running
-    h.records.push_back({value, HostCopy{to, from, n, &timeline_signal().slot(), value, &h.mutex}, nullptr});
-    commands.push_back(CudaCommand{.kind = CommandKind::copy, .host_copy = &h.records.back().copy});
-  };
-  if (pinned_source) {
-    host_copy(dest.data(), src.host_ptr<std::byte>(), dest.size());
-  } else {
+  return submit_on_copy_stream(waits, [&](std::uint64_t value, std::vector<CudaCommand>& commands) {
+    // Into the caller's memory: not once the timeline was poisoned before `value`.
+    if (pinned_source) {
+      add_host_copy(commands, value, dest.data(), src.host_ptr<std::byte>(), dest.size(), true);
+      return;
+    }
     for (std::size_t i = 0; i < dest.size(); i += chunk) {
       const std::size_t n = std::min(chunk, dest.size() - i);
       commands.push_back(
           CudaCommand{.kind = CommandKind::copy, .dest = h.bounce.va_addr, .src = src.va_addr + i, .size = n});
-      host_copy(dest.data() + i, h.bounce.host_ptr<std::byte>(), n);
+      add_host_copy(commands, value, dest.data() + i, h.bounce.host_ptr<std::byte>(), n, true);
     }
-  }
-  commands.push_back(CudaSignalPrimitives::signal(timeline_signal(), value));
-  // A failure poisons the timeline (under the host-copy mutex): the host functions launched so
-  // far copy nothing.
-  submit_commands(CudaLane::copy, commands);
-  reservation.submitted();
-  return value;
+  });
 }
 
 std::uint64_t CudaHCQDevice::submit_copyin_later(const Allocation& dest, std::span<const std::byte> src,
@@ -944,39 +959,27 @@ std::uint64_t CudaHCQDevice::submit_copyin_later(const Allocation& dest, std::sp
   const bool pinned_dest = static_cast<const CudaAllocator&>(allocator()).host_visible(dest);
   const std::size_t chunk = pinned_dest ? src.size() : std::min(src.size(), kMaxBounceBytes);
   HostCopies& h = host_copies_for(pinned_dest ? 0 : chunk, "copyin");
-  // The caller's bytes, read now (copyin's contract); the lane's until the copy ran.
+  // The caller's bytes, read now (copyin's contract); the lane's (its first record's) until the
+  // copy ran.
   std::unique_ptr<std::byte[]> captured(new std::byte[std::max<std::size_t>(src.size(), 1)]);
   std::memcpy(captured.get(), src.data(), src.size());
   const std::byte* bytes = captured.get();
-  auto reservation = reserve_timeline_value();
-  const std::uint64_t value = reservation.value();
-  std::vector<CudaCommand> commands;
-  commands.push_back(CudaSignalPrimitives::wait(timeline_signal(), value - 1));
-  for (const auto& [signal, wanted] : waits) commands.push_back(CudaSignalPrimitives::wait(signal, wanted));
-  const auto host_copy = [&](std::byte* to, const std::byte* from, std::size_t n) {
-    std::lock_guard copies_lock(h.mutex);
+  return submit_on_copy_stream(waits, [&](std::uint64_t value, std::vector<CudaCommand>& commands) {
+    // Into a pinned Buffer: as a copyout's, not once the timeline is poisoned (the caller may have
+    // freed the Buffer when told).
+    if (pinned_dest) {
+      add_host_copy(commands, value, dest.host_ptr<std::byte>(), bytes, src.size(), true, std::move(captured));
+      return;
+    }
     // Into the bounce, the lane's own: made even on a poisoned timeline (no GPU copy reads garbage
-    // from it then). Into a pinned Buffer: as a copyout's, not once the timeline is poisoned (the
-    // caller may have freed the Buffer when told).
-    h.records.push_back(
-        {value, HostCopy{to, from, n, pinned_dest ? &timeline_signal().slot() : nullptr, value, &h.mutex},
-         std::move(captured)});
-    commands.push_back(CudaCommand{.kind = CommandKind::copy, .host_copy = &h.records.back().copy});
-  };
-  if (pinned_dest) {
-    host_copy(dest.host_ptr<std::byte>(), bytes, src.size());
-  } else {
+    // from it then).
     for (std::size_t i = 0; i < src.size(); i += chunk) {
       const std::size_t n = std::min(chunk, src.size() - i);
-      host_copy(h.bounce.host_ptr<std::byte>(), bytes + i, n);
+      add_host_copy(commands, value, h.bounce.host_ptr<std::byte>(), bytes + i, n, false, std::move(captured));
       commands.push_back(
           CudaCommand{.kind = CommandKind::copy, .dest = dest.va_addr + i, .src = h.bounce.va_addr, .size = n});
     }
-  }
-  commands.push_back(CudaSignalPrimitives::signal(timeline_signal(), value));
-  submit_commands(CudaLane::copy, commands);
-  reservation.submitted();
-  return value;
+  });
 }
 
 std::optional<double> CudaHCQDevice::launch_direct(const CudaProgram& program, const std::byte* args,

@@ -44,6 +44,7 @@
 #include <string>
 #include <string_view>
 #include <utility>
+#include <vector>
 
 #include "tinydev/hcq.hpp"
 #include "tinydev/hcq_stream.hpp"
@@ -337,6 +338,16 @@ class CudaHCQDevice final : public HCQCompiled<CudaComputeQueue, CudaCopyQueue> 
   // The lane's host copies, records its timeline passed let go, the bounce at least `bounce_bytes`
   // (submit mutex held). InvalidArgument on a device that is not a lane, naming `what`.
   HostCopies& host_copies_for(std::size_t bounce_bytes, std::string_view what);
+  // Submits on the copy stream, after the timeline's last value and `waits`, what
+  // `fill(value, commands)` appends, then the timeline's next value, which it returns (submit
+  // mutex held).
+  template <class Fill>
+  std::uint64_t submit_on_copy_stream(std::span<const std::pair<Signal, std::uint64_t>> waits, Fill&& fill);
+  // Appends a host function copying `n` bytes, a record of the lane's until `value` is passed
+  // (Note [CUDA copyout without blocking]). `unless_poisoned`: not made once the timeline was
+  // poisoned before `value`. `bytes`: memory the record keeps (a copyin's captured bytes).
+  void add_host_copy(std::vector<CudaCommand>& commands, std::uint64_t value, std::byte* to, const std::byte* from,
+                     std::size_t n, bool unless_poisoned, std::unique_ptr<std::byte[]> bytes = nullptr);
   CudaHCQDevice* parent_ = nullptr;  // a lane's device
   StreamLanes<CudaHCQDevice> lanes_;
   // The compute stream's order covers the timeline's last value (it was signalled or waited for
