@@ -221,6 +221,16 @@ void check_sizes(const std::string& kernel, const std::string& device, Dim3 g, D
 // wait for slots the stream's earlier work still holds (a lane has 4), and into a pinned Buffer
 // the driver's host-to-host cuMemcpyAsync is synchronous: both would block the caller behind the
 // stream's event waits.
+//
+// Note [CUDA copyin captures]
+// The bytes a busy lane's copyins captured are held until the timeline passed their copy. A
+// producer feeding a stream that waits for an event nobody completes yet would otherwise grow
+// them without bound (a serving loop copying requests in faster than the GPU takes them). So a
+// lane holds at most kMaxCapturedBytes (64 MiB) of them: a copyin that would go past waits first
+// for the earliest ones to be copied, as a submission past the queue depth waits (Note [CUDA queue
+// depth]), and throws Timeout after 30 s saying so. One copyin larger than the limit is taken once
+// nothing else is held. The limit is per lane, so at most 64 streams x 64 MiB at once; an idle
+// lane's copyin captures nothing (it is copied through the ring before the call returns).
 
 struct HostCopy {
   std::byte* dest;
@@ -238,6 +248,8 @@ namespace {
 
 constexpr std::size_t kMinBounceBytes = std::size_t{64} << 10;
 constexpr std::size_t kMaxBounceBytes = std::size_t{4} << 20;
+// Note [CUDA copyin captures]: the most bytes of callers' copyins a lane holds queued.
+constexpr std::size_t kMaxCapturedBytes = std::size_t{64} << 20;
 
 // The host function (cuLaunchHostFunc), on a driver thread.
 void CUDA_CB run_host_copy(void* data) {
@@ -262,8 +274,10 @@ struct CudaHCQDevice::HostCopies {
     std::uint64_t value;  // the timeline value after which the host function has run
     HostCopy copy;
     std::unique_ptr<std::byte[]> bytes;  // a copyin's captured bytes (its first record's)
+    std::size_t captured = 0;            // how many bytes `bytes` holds
   };
   std::deque<Record> records;
+  std::size_t captured_bytes = 0;  // the records' `captured`, summed (Note [CUDA copyin captures])
 };
 
 // ---- programs ---------------------------------------------------------------------------------
@@ -683,6 +697,10 @@ void CudaHCQDevice::fail(const std::string& reason) const {
   poison_timeline(timeline_signal().slot(), reason);
 }
 
+void CudaHCQDevice::poison_own_timeline(std::string_view reason) const noexcept {
+  poison_timeline(timeline_signal().slot(), reason);
+}
+
 void CudaHCQDevice::poison_timeline(SignalSlot& slot, std::string_view reason) const {
   // Note [CUDA copyout without blocking]: no host function copies while, or after, it is poisoned.
   std::unique_lock<std::mutex> lock;
@@ -881,7 +899,10 @@ void CudaHCQDevice::release_host_copies() {
   const std::uint64_t reached = timeline_slot()->value.load(std::memory_order_acquire);
   std::lock_guard copies_lock(host_copies_->mutex);
   auto& records = host_copies_->records;
-  while (!records.empty() && records.front().value <= reached) records.pop_front();
+  while (!records.empty() && records.front().value <= reached) {
+    host_copies_->captured_bytes -= records.front().captured;
+    records.pop_front();
+  }
 }
 
 CudaHCQDevice::HostCopies& CudaHCQDevice::host_copies_for(std::size_t bounce_bytes, std::string_view what) {
@@ -922,12 +943,14 @@ std::uint64_t CudaHCQDevice::submit_on_copy_stream(std::span<const std::pair<Sig
 
 void CudaHCQDevice::add_host_copy(std::vector<CudaCommand>& commands, std::uint64_t value, std::byte* to,
                                   const std::byte* from, std::size_t n, bool unless_poisoned,
-                                  std::unique_ptr<std::byte[]> bytes) {
+                                  std::unique_ptr<std::byte[]> bytes, std::size_t captured) {
   HostCopies& h = *host_copies_;
+  const std::size_t held = bytes ? captured : 0;
   std::lock_guard copies_lock(h.mutex);  // host functions of earlier copies may be running
   h.records.push_back({value,
                        HostCopy{to, from, n, unless_poisoned ? &timeline_signal().slot() : nullptr, value, &h.mutex},
-                       std::move(bytes)});
+                       std::move(bytes), held});
+  h.captured_bytes += h.records.back().captured;
   commands.push_back(CudaCommand{.kind = CommandKind::copy, .host_copy = &h.records.back().copy});
 }
 
@@ -953,12 +976,42 @@ std::uint64_t CudaHCQDevice::submit_copyout_later(std::span<std::byte> dest, con
   });
 }
 
+void CudaHCQDevice::wait_for_capture_room(std::size_t bytes) {
+  HostCopies& h = *host_copies_;
+  if (h.captured_bytes == 0 || h.captured_bytes + bytes <= kMaxCapturedBytes) return;
+  // The value after which enough of the earliest captures are copied (records are in order).
+  std::uint64_t until = 0;
+  {
+    std::lock_guard copies_lock(h.mutex);
+    std::size_t left = h.captured_bytes;
+    for (const auto& record : h.records) {
+      if (record.captured == 0) continue;
+      left -= record.captured;
+      until = record.value;
+      if (left == 0 || left + bytes <= kMaxCapturedBytes) break;
+    }
+  }
+  debug_log(2, name(), "a copyin of {} bytes waits for timeline value {}: the lane holds {} bytes of queued copyins",
+            bytes, until, h.captured_bytes);
+  try {
+    wait_timeline_reached(until);
+  } catch (const Timeout& e) {
+    throw Timeout(fmt::format("{}: a copyin of {} bytes waited for room in vain: the stream's earlier copyins, queued "
+                              "behind its waits, still hold {} bytes of the callers' (at most {} are queued per "
+                              "stream: Note [CUDA copyin captures]). Complete the events the stream waits for, or "
+                              "wait for its work before copying more in: {}",
+                              name(), bytes, h.captured_bytes, kMaxCapturedBytes, e.what()));
+  }
+  release_host_copies();
+}
+
 std::uint64_t CudaHCQDevice::submit_copyin_later(const Allocation& dest, std::span<const std::byte> src,
                                                  std::span<const std::pair<Signal, std::uint64_t>> waits) {
   std::lock_guard lock(submit_mutex());
   const bool pinned_dest = static_cast<const CudaAllocator&>(allocator()).host_visible(dest);
   const std::size_t chunk = pinned_dest ? src.size() : std::min(src.size(), kMaxBounceBytes);
   HostCopies& h = host_copies_for(pinned_dest ? 0 : chunk, "copyin");
+  wait_for_capture_room(src.size());
   // The caller's bytes, read now (copyin's contract); the lane's (its first record's) until the
   // copy ran.
   std::unique_ptr<std::byte[]> captured(new std::byte[std::max<std::size_t>(src.size(), 1)]);
@@ -968,14 +1021,16 @@ std::uint64_t CudaHCQDevice::submit_copyin_later(const Allocation& dest, std::sp
     // Into a pinned Buffer: as a copyout's, not once the timeline is poisoned (the caller may have
     // freed the Buffer when told).
     if (pinned_dest) {
-      add_host_copy(commands, value, dest.host_ptr<std::byte>(), bytes, src.size(), true, std::move(captured));
+      add_host_copy(commands, value, dest.host_ptr<std::byte>(), bytes, src.size(), true, std::move(captured),
+                    src.size());
       return;
     }
     // Into the bounce, the lane's own: made even on a poisoned timeline (no GPU copy reads garbage
     // from it then).
     for (std::size_t i = 0; i < src.size(); i += chunk) {
       const std::size_t n = std::min(chunk, src.size() - i);
-      add_host_copy(commands, value, h.bounce.host_ptr<std::byte>(), bytes + i, n, false, std::move(captured));
+      add_host_copy(commands, value, h.bounce.host_ptr<std::byte>(), bytes + i, n, false, std::move(captured),
+                    src.size());
       commands.push_back(
           CudaCommand{.kind = CommandKind::copy, .dest = dest.va_addr + i, .src = h.bounce.va_addr, .size = n});
     }

@@ -308,6 +308,8 @@ class CudaHCQDevice final : public HCQCompiled<CudaComputeQueue, CudaCopyQueue> 
   void on_timeline_wrapped() override;
   void signal_lazy_work(std::uint64_t value) override;
   void check_health() const override;
+  // Under the lane's host-copy mutex (Note [CUDA copyout without blocking]).
+  void poison_own_timeline(std::string_view reason) const noexcept override;
 
  private:
   void fail(const std::string& reason) const;
@@ -345,9 +347,14 @@ class CudaHCQDevice final : public HCQCompiled<CudaComputeQueue, CudaCopyQueue> 
   std::uint64_t submit_on_copy_stream(std::span<const std::pair<Signal, std::uint64_t>> waits, Fill&& fill);
   // Appends a host function copying `n` bytes, a record of the lane's until `value` is passed
   // (Note [CUDA copyout without blocking]). `unless_poisoned`: not made once the timeline was
-  // poisoned before `value`. `bytes`: memory the record keeps (a copyin's captured bytes).
+  // poisoned before `value`. `bytes`: memory the record keeps (a copyin's captured bytes, `captured`
+  // of them).
   void add_host_copy(std::vector<CudaCommand>& commands, std::uint64_t value, std::byte* to, const std::byte* from,
-                     std::size_t n, bool unless_poisoned, std::unique_ptr<std::byte[]> bytes = nullptr);
+                     std::size_t n, bool unless_poisoned, std::unique_ptr<std::byte[]> bytes = nullptr,
+                     std::size_t captured = 0);
+  // Before a copyin captures `bytes` more: waits until the lane holds few enough captured bytes
+  // (Note [CUDA copyin captures]); Timeout after 30 s (submit mutex held).
+  void wait_for_capture_room(std::size_t bytes);
   CudaHCQDevice* parent_ = nullptr;  // a lane's device
   StreamLanes<CudaHCQDevice> lanes_;
   // The compute stream's order covers the timeline's last value (it was signalled or waited for

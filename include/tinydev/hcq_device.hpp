@@ -205,8 +205,8 @@ class HCQCompiled : public Compiled {
       debug_log(1, name(), TINYDEV_FMT("timeline value {} was reserved and dropped without its work: completed empty"), value);
     } catch (const std::exception& e) {
       // Not even an empty queue went in: make the hole loud rather than a hang.
-      timeline_slot_.load()->poison(fmt::format(TINYDEV_FMT("{}: timeline value {} was reserved and dropped, and completing it "
-                                                "failed: {}"), name(), value, e.what()));
+      poison_own_timeline(fmt::format(TINYDEV_FMT("{}: timeline value {} was reserved and dropped, and completing it "
+                                      "failed: {}"), name(), value, e.what()));
     }
   }
 
@@ -426,6 +426,10 @@ class HCQCompiled : public Compiled {
   // a signal of `value` on the timeline ordered after it (called under the submit mutex).
   void note_lazy_work() noexcept { lazy_work_.store(true, std::memory_order_release); }
   virtual void signal_lazy_work(std::uint64_t value) { (void)value; }
+  // Poisons this device's own timeline with `reason` (the first reason stays). Devices whose host
+  // callbacks must not run while or after that happens (CUDA's host-function copies) override it
+  // to poison under their own lock.
+  virtual void poison_own_timeline(std::string_view reason) const noexcept { timeline_slot_.load()->poison(reason); }
   // Called every 50 ms while a host thread waits for the timeline: a device whose failures are
   // only seen by asking (a GPU's sticky error) checks here and poisons its timeline.
   virtual void check_health() const {}

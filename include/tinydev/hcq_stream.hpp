@@ -43,7 +43,8 @@ namespace tinydev {
 
 // A device's stream lanes: made on first use, kept when their stream is dropped and handed to the
 // next one; at most `max` alive at once. A lane dropped with work that did not finish in time is
-// abandoned, and taken back once that work finished (and the lane has no fault).
+// abandoned, and taken back once that work finished: without a fault, or with one its recover()
+// clears at once (its queues drained; not a CUDA context's sticky error).
 template <class Lane>
 class StreamLanes {
  public:
@@ -51,13 +52,8 @@ class StreamLanes {
   // when `max` lanes are taken.
   template <class Make>
   Lane* take(std::size_t max, std::string_view device, Make&& make) {
+    reclaim_abandoned();
     std::lock_guard lock(mutex_);
-    // Abandoned lanes whose work has finished since are free again.
-    std::erase_if(abandoned_, [&](Lane* lane) {
-      if (!lane->idle() || !lane->fault().empty()) return false;
-      free_.push_back(lane);
-      return true;
-    });
     if (!free_.empty()) {
       Lane* lane = free_.back();
       free_.pop_back();
@@ -71,7 +67,7 @@ class StreamLanes {
           abandoned_.empty()
               ? std::string()
               : fmt::format(TINYDEV_FMT(" ({} of them dropped with work that has not finished or failed; their "
-                                        "lanes come back once it finished without a fault)"),
+                                        "lanes come back once it finished and any fault it left is recovered)"),
                             abandoned_.size())));
     lanes_.push_back(make(made_ + 1));
     ++made_;
@@ -82,7 +78,7 @@ class StreamLanes {
     free_.push_back(lane);
   }
   // A lane whose stream was dropped before its work finished (or with a fault it could not
-  // recover from): not handed out until that work finished and the fault is gone.
+  // recover from): not handed out until that work finished and the fault is recovered.
   void abandon(Lane* lane) {
     std::lock_guard lock(mutex_);
     abandoned_.push_back(lane);
@@ -112,6 +108,37 @@ class StreamLanes {
   }
 
  private:
+  // Abandoned lanes whose work has finished since are free again; a faulted one once recover()
+  // succeeds with no wait (its queues drained). recover() takes the lane's submit mutex, so it runs
+  // outside mutex_; meanwhile the lane is in neither list (its slot still counts toward `max`).
+  void reclaim_abandoned() {
+    std::vector<Lane*> faulted;
+    {
+      std::lock_guard lock(mutex_);
+      std::erase_if(abandoned_, [&](Lane* lane) {
+        if (!lane->fault().empty()) {
+          faulted.push_back(lane);
+          return true;
+        }
+        if (!lane->idle()) return false;
+        free_.push_back(lane);
+        return true;
+      });
+    }
+    for (Lane* lane : faulted) {
+      bool recovered = false;
+      try {
+        lane->recover(std::chrono::milliseconds(0));
+        recovered = lane->fault().empty();
+        if (recovered) log_message(LogLevel::info, lane->name(), "a dropped stream's lane recovered and is free again");
+      } catch (const std::exception&) {
+        // Still running, or a fault recover() cannot clear: left abandoned.
+      }
+      std::lock_guard lock(mutex_);
+      (recovered ? free_ : abandoned_).push_back(lane);
+    }
+  }
+
   std::mutex mutex_;
   std::vector<std::unique_ptr<Lane>> lanes_;  // never destroyed: events point at their timelines
   std::vector<Lane*> free_;

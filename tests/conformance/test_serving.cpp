@@ -261,6 +261,48 @@ TEST_CASE("serving: a stream dropped before its work finished frees nothing unde
   }, kHcqKernels);
 }
 
+TEST_CASE("serving: a dropped stream's lane whose work failed afterwards comes back recovered and runs work again",
+          "[serving]") {
+  for_each_hcq_device([](auto& dev) {
+    auto add = load_add(dev);
+    const std::size_t n = 64 + fresh_seed() % 200;
+    Buffer x = float_buffer(dev, n), y = float_buffer(dev, n), out = float_buffer(dev, n);
+    Signal gate = dev.alloc_signal(0);
+    set_log_sink([](LogLevel, std::string_view, std::string_view) {});  // the drop's warning is expected
+    std::string dropped_name;
+    Event done;
+    {
+      auto stream = dev.create_stream(
+          StreamOptions{.run_inline_when_idle = false, .drop_timeout = std::chrono::milliseconds(50)});
+      dropped_name = stream->name();
+      stream->wait(Event(gate, 1, nullptr));
+      const Buffer args[] = {out, x, y};
+      const std::int32_t values[] = {static_cast<std::int32_t>(n)};
+      done = stream->launch(add, args, values);
+    }  // dropped: waits 50 ms, then gives up on the work
+    set_log_sink(nullptr);
+    // The work it waited for fails: the lane is faulted, its queues drain.
+    gate.poison("the gate's producer failed " + std::to_string(n));
+    CHECK_THROWS_WITH(done.wait(5000ms), Catch::Contains("the gate's producer failed"));
+    // The next stream gets the lane back, recovered, and its work runs.
+    auto again = dev.create_stream();
+    CHECK(again->name() == dropped_name);
+    CHECK(again->fault().empty());
+    const auto vx = random_floats(n, fresh_seed()), vy = random_floats(n, fresh_seed());
+    again->copyin(x, bytes_of(vx));
+    again->copyin(y, bytes_of(vy));
+    const Buffer args[] = {out, x, y};
+    const std::int32_t values[] = {static_cast<std::int32_t>(n)};
+    again->launch(add, args, values);
+    std::vector<float> back(n);
+    again->copyout(bytes_of(back), out).wait(5000ms);
+    CHECK(back == add_reference(vx, vy));
+    // The failed work's event stays failed.
+    CHECK_THROWS_AS(done.query(), DeviceFault);
+    dev.free_signal(gate);
+  }, kHcqKernels);
+}
+
 TEST_CASE("serving: graphs replay on a stream and a graph of the device is not the stream's", "[serving]") {
   for_each_hcq_device([](auto& dev) {
     auto add = load_add(dev);

@@ -1396,6 +1396,58 @@ TEST_CASE("cuda fake: stream copies never make the driver copy into pageable mem
   dev->free_signal(gate);
 }
 
+TEST_CASE("cuda fake: a busy stream holds at most 64 MiB of its callers' copyins - one past it waits until the earliest are copied", "[cuda][fake]") {
+  auto* dev = fake_hcq();
+  if (!dev) return;
+  // Note [CUDA copyin captures]: 3 copyins of 24 MiB behind a gate; the third would make 72 MiB.
+  const std::size_t n = (std::size_t{6} << 20) - fresh_seed() % 1000;
+  std::vector<std::vector<float>> inputs;
+  std::vector<Buffer> buffers;
+  buffers.reserve(3);
+  for (int i = 0; i < 3; ++i) {
+    inputs.push_back(random_floats(n, fresh_seed()));
+    buffers.emplace_back(dev->name(), n, dtypes::float32).allocate();
+  }
+  auto stream = dev->create_stream();
+  Signal gate = dev->alloc_signal(0);
+  stream->wait(Event(gate, 1, nullptr));
+  Event first = stream->copyin(buffers[0], std::as_bytes(std::span(inputs[0])));
+  stream->copyin(buffers[1], std::as_bytes(std::span(inputs[1])));
+  CHECK_FALSE(first.query());
+  std::atomic<bool> opened{false};
+  std::thread opener([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    opened.store(true);
+    gate.set(1);
+  });
+  Event third = stream->copyin(buffers[2], std::as_bytes(std::span(inputs[2])));
+  // It returned only once the gate opened and the first copyin's bytes were on the GPU.
+  CHECK(opened.load());
+  CHECK(first.query());
+  opener.join();
+  third.wait(std::chrono::seconds(10));
+  for (int i = 0; i < 3; ++i) {
+    auto back = sentinel_floats(n);
+    stream->copyout(std::as_writable_bytes(std::span(back)), buffers[i]).wait(std::chrono::seconds(10));
+    CHECK(back == inputs[i]);
+  }
+  // One copyin larger than the limit is taken whole when nothing else is held.
+  const std::size_t big_n = (std::size_t{17} << 20) + fresh_seed() % 1000;  // 68 MiB
+  const auto big_x = random_floats(big_n, fresh_seed());
+  Buffer big(dev->name(), big_n, dtypes::float32);
+  big.allocate();
+  Signal gate2 = dev->alloc_signal(0);
+  stream->wait(Event(gate2, 1, nullptr));
+  Event big_in = stream->copyin(big, std::as_bytes(std::span(big_x)));
+  CHECK_FALSE(big_in.query());
+  gate2.set(1);
+  auto big_back = sentinel_floats(big_n);
+  stream->copyout(std::as_writable_bytes(std::span(big_back)), big).wait(std::chrono::seconds(10));
+  CHECK(big_back == big_x);
+  dev->free_signal(gate);
+  dev->free_signal(gate2);
+}
+
 TEST_CASE("cuda fake: a stream copyout whose submission fails - or that a later failure of its stream reports failed - writes nothing into the caller's memory and the stream recovers", "[cuda][fake]") {
   auto* dev = fake_hcq();
   if (!dev) return;
