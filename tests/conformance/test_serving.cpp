@@ -56,6 +56,25 @@ struct AddOperands {
   }
 };
 
+// A stream that gives up on its work 50 ms after being dropped: `queue(stream)` queues work on it
+// behind a wait for `gate` to reach 1 and returns that work's Event. The stream is dropped before
+// this returns; `dropped_name` is its name.
+template <class Queue>
+Event drop_stream_behind_gate(Compiled& dev, const Signal& gate, std::string& dropped_name, Queue&& queue) {
+  auto stream = dev.create_stream(
+      StreamOptions{.run_inline_when_idle = false, .drop_timeout = std::chrono::milliseconds(50)});
+  dropped_name = stream->name();
+  return queue(*stream, [&] { stream->wait(Event(gate, 1, nullptr)); });
+}
+
+// Launches out = a + b (n floats) on `stream`.
+Event launch_add(Stream& stream, const std::shared_ptr<Program>& add, const Buffer& out, const Buffer& a,
+                 const Buffer& b, std::size_t n) {
+  const Buffer args[] = {out, a, b};
+  const std::int32_t values[] = {static_cast<std::int32_t>(n)};
+  return stream.launch(add, args, values);
+}
+
 }  // namespace
 
 TEST_CASE("serving: a timeline reservation dropped by an exception completes its value so the device goes on",
@@ -224,20 +243,14 @@ TEST_CASE("serving: a stream dropped before its work finished frees nothing unde
       if (level == LogLevel::warning) warnings.emplace_back(message);
     });
     std::string dropped_name;
-    Event done;
-    {
-      auto stream = dev.create_stream(
-          StreamOptions{.run_inline_when_idle = false, .drop_timeout = std::chrono::milliseconds(50)});
-      dropped_name = stream->name();
+    Event done = drop_stream_behind_gate(dev, gate, dropped_name, [&](Stream& stream, auto wait_for_gate) {
       // The inputs' only handles go with this scope: the queued kernel must still read them.
       Buffer ba = float_buffer(dev, n), bb = float_buffer(dev, n);
-      stream->copyin(ba, bytes_of(a));
-      stream->copyin(bb, bytes_of(b));
-      stream->wait(Event(gate, 1, nullptr));
-      const Buffer args[] = {out, ba, bb};
-      const std::int32_t values[] = {static_cast<std::int32_t>(n)};
-      done = stream->launch(add, args, values);
-    }  // dropped: waits 50 ms, then gives up on the work
+      stream.copyin(ba, bytes_of(a));
+      stream.copyin(bb, bytes_of(b));
+      wait_for_gate();
+      return launch_add(stream, add, out, ba, bb, n);
+    });  // dropped: waits 50 ms, then gives up on the work
     set_log_sink(nullptr);
     REQUIRE(warnings.size() == 1);
     CHECK_THAT(warnings[0], Catch::Contains("dropped while its work still runs") &&
@@ -270,16 +283,10 @@ TEST_CASE("serving: a dropped stream's lane whose work failed afterwards comes b
     Signal gate = dev.alloc_signal(0);
     set_log_sink([](LogLevel, std::string_view, std::string_view) {});  // the drop's warning is expected
     std::string dropped_name;
-    Event done;
-    {
-      auto stream = dev.create_stream(
-          StreamOptions{.run_inline_when_idle = false, .drop_timeout = std::chrono::milliseconds(50)});
-      dropped_name = stream->name();
-      stream->wait(Event(gate, 1, nullptr));
-      const Buffer args[] = {out, x, y};
-      const std::int32_t values[] = {static_cast<std::int32_t>(n)};
-      done = stream->launch(add, args, values);
-    }  // dropped: waits 50 ms, then gives up on the work
+    Event done = drop_stream_behind_gate(dev, gate, dropped_name, [&](Stream& stream, auto wait_for_gate) {
+      wait_for_gate();
+      return launch_add(stream, add, out, x, y, n);
+    });  // dropped: waits 50 ms, then gives up on the work
     set_log_sink(nullptr);
     // The work it waited for fails: the lane is faulted, its queues drain.
     gate.poison("the gate's producer failed " + std::to_string(n));
@@ -291,9 +298,7 @@ TEST_CASE("serving: a dropped stream's lane whose work failed afterwards comes b
     const auto vx = random_floats(n, fresh_seed()), vy = random_floats(n, fresh_seed());
     again->copyin(x, bytes_of(vx));
     again->copyin(y, bytes_of(vy));
-    const Buffer args[] = {out, x, y};
-    const std::int32_t values[] = {static_cast<std::int32_t>(n)};
-    again->launch(add, args, values);
+    launch_add(*again, add, out, x, y, n);
     std::vector<float> back(n);
     again->copyout(bytes_of(back), out).wait(5000ms);
     CHECK(back == add_reference(vx, vy));
