@@ -229,8 +229,9 @@ void check_sizes(const std::string& kernel, const std::string& device, Dim3 g, D
 // lane holds at most kMaxCapturedBytes (64 MiB) of them: a copyin that would go past waits first
 // for the earliest ones to be copied, as a submission past the queue depth waits (Note [CUDA queue
 // depth]), and throws Timeout after 30 s saying so. One copyin larger than the limit is taken once
-// nothing else is held. The limit is per lane, so at most 64 streams x 64 MiB at once; an idle
-// lane's copyin captures nothing (it is copied through the ring before the call returns).
+// nothing else is held. The limit is per lane, so at most 64 streams x 64 MiB at once; a copyin
+// that runs on the caller (an idle lane, run_inline_when_idle) captures nothing: it is copied
+// through the ring before the call returns.
 
 struct HostCopy {
   std::byte* dest;

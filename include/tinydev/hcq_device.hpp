@@ -356,6 +356,9 @@ class HCQCompiled : public Compiled {
   // Whether a host wait on this device's timeline ever timed out (a hung kernel, a wait nobody
   // signals): later waits that only guard a free are kept short.
   bool has_timed_out() const noexcept { return timed_out_.load(std::memory_order_relaxed); }
+  // The work a wait timed out on has finished since (a stream lane taken back): those waits get
+  // their full time again.
+  void forget_timeouts() noexcept { timed_out_.store(false, std::memory_order_relaxed); }
   // Whether everything submitted so far has finished. Lock-free.
   bool idle() const noexcept {
     if (lazy_work_.load(std::memory_order_acquire)) return false;

@@ -7,7 +7,7 @@
 //
 // Requirements on `Lane` (an HCQCompiled): reserve_timeline_value, last_submitted_value,
 // wait_submitted, compute_queue (whose submit takes the lane), can_reach, check_usable, fault,
-// recover, opened_in_this_process, idle; the parent device has return_lane(Lane*) and
+// recover, opened_in_this_process, idle, forget_timeouts; the parent device has return_lane(Lane*) and
 // abandon_lane(Lane*).
 //
 // Ownership: lanes live as long as the process (events keep pointing at their timelines); a
@@ -19,6 +19,7 @@
 #include <fmt/core.h>
 
 #include <chrono>
+#include <condition_variable>
 #include <cstddef>
 #include <deque>
 #include <span>
@@ -53,7 +54,10 @@ class StreamLanes {
   template <class Make>
   Lane* take(std::size_t max, std::string_view device, Make&& make) {
     reclaim_abandoned();
-    std::lock_guard lock(mutex_);
+    std::unique_lock lock(mutex_);
+    // At the limit, lanes another thread is recovering may come free: wait for them first.
+    if (free_.empty() && lanes_.size() >= max && recovering_ > 0)
+      recovered_.wait(lock, [&] { return recovering_ == 0 || !free_.empty(); });
     if (!free_.empty()) {
       Lane* lane = free_.back();
       free_.pop_back();
@@ -69,6 +73,10 @@ class StreamLanes {
               : fmt::format(TINYDEV_FMT(" ({} of them dropped with work that has not finished or failed; their "
                                         "lanes come back once it finished and any fault it left is recovered)"),
                             abandoned_.size())));
+    // Room for every lane in either list: give_back and abandon (from destructors) never allocate.
+    lanes_.reserve(lanes_.size() + 1);
+    free_.reserve(lanes_.size() + 1);
+    abandoned_.reserve(lanes_.size() + 1);
     lanes_.push_back(make(made_ + 1));
     ++made_;
     return lanes_.back().get();
@@ -110,36 +118,47 @@ class StreamLanes {
  private:
   // Abandoned lanes whose work has finished since are free again; a faulted one once recover()
   // succeeds with no wait (its queues drained). recover() takes the lane's submit mutex, so it runs
-  // outside mutex_; meanwhile the lane is in neither list (its slot still counts toward `max`).
+  // outside mutex_; meanwhile the lane is in neither list, and a take() at the limit waits for it.
   void reclaim_abandoned() {
     std::vector<Lane*> faulted;
     {
       std::lock_guard lock(mutex_);
+      if (abandoned_.empty()) return;
+      faulted.reserve(abandoned_.size());  // before anything moves: no allocation below
       std::erase_if(abandoned_, [&](Lane* lane) {
         if (!lane->fault().empty()) {
           faulted.push_back(lane);
           return true;
         }
         if (!lane->idle()) return false;
+        lane->forget_timeouts();  // the drop's wait timed out on work that finished since
         free_.push_back(lane);
         return true;
       });
+      recovering_ += faulted.size();
     }
     for (Lane* lane : faulted) {
       bool recovered = false;
       try {
         lane->recover(std::chrono::milliseconds(0));
         recovered = lane->fault().empty();
+        if (recovered) lane->forget_timeouts();
         if (recovered) log_message(LogLevel::info, lane->name(), "a dropped stream's lane recovered and is free again");
       } catch (const std::exception&) {
         // Still running, or a fault recover() cannot clear: left abandoned.
       }
-      std::lock_guard lock(mutex_);
-      (recovered ? free_ : abandoned_).push_back(lane);
+      {
+        std::lock_guard lock(mutex_);
+        (recovered ? free_ : abandoned_).push_back(lane);
+        --recovering_;
+      }
+      recovered_.notify_all();
     }
   }
 
   std::mutex mutex_;
+  std::condition_variable recovered_;  // a lane taken out of abandoned_ to recover is back in a list
+  std::size_t recovering_ = 0;         // lanes in neither list while they recover
   std::vector<std::unique_ptr<Lane>> lanes_;  // never destroyed: events point at their timelines
   std::vector<Lane*> free_;
   std::vector<Lane*> abandoned_;

@@ -291,8 +291,16 @@ TEST_CASE("serving: a dropped stream's lane whose work failed afterwards comes b
     // The work it waited for fails: the lane is faulted, its queues drain.
     gate.poison("the gate's producer failed " + std::to_string(n));
     CHECK_THROWS_WITH(done.wait(5000ms), Catch::Contains("the gate's producer failed"));
-    // The next stream gets the lane back, recovered, and its work runs.
+    // A later stream gets the lane back, recovered, and its work runs. The lane's queues may still
+    // be finishing the failed submission when its Event reports the failure: until they are idle,
+    // create_stream makes other lanes (each dropped at once, so the recovered one comes first).
     auto again = dev.create_stream();
+    for (const auto deadline = std::chrono::steady_clock::now() + 5s;
+         again->name() != dropped_name && std::chrono::steady_clock::now() < deadline;) {
+      again.reset();
+      std::this_thread::sleep_for(1ms);
+      again = dev.create_stream();
+    }
     CHECK(again->name() == dropped_name);
     CHECK(again->fault().empty());
     const auto vx = random_floats(n, fresh_seed()), vy = random_floats(n, fresh_seed());

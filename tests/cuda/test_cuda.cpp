@@ -1255,6 +1255,45 @@ TEST_CASE("cuda fake: lanes are reused after their stream is dropped and 64 stre
   CHECK_NOTHROW(alive.push_back(dev->create_stream()));
 }
 
+TEST_CASE("cuda fake: a lane dropped with work running comes back once it finished - its frees wait their full time again", "[cuda][fake]") {
+  auto* dev = fake_hcq();
+  if (!dev) return;
+  Signal gate = dev->alloc_signal(0);
+  set_log_sink([](LogLevel, std::string_view, std::string_view) {});  // the drop's warning is expected
+  std::string dropped_name;
+  Event copied;
+  const std::size_t n = 1000 + fresh_seed() % 1000;
+  const auto x = random_floats(n, fresh_seed());
+  Buffer b(dev->name(), n, dtypes::float32);
+  b.allocate();
+  {
+    auto stream = dev->create_stream(StreamOptions{.drop_timeout = std::chrono::milliseconds(50)});
+    dropped_name = stream->name();
+    stream->wait(Event(gate, 1, nullptr));
+    copied = stream->copyin(b, std::as_bytes(std::span(x)));
+  }
+  set_log_sink(nullptr);
+  const auto lane_named = [&](const std::string& name) {
+    const cuda::CudaHCQDevice* found = nullptr;
+    dev->for_each_lane([&](const cuda::CudaHCQDevice& lane) {
+      if (lane.name() == name) found = &lane;
+    });
+    REQUIRE(found);
+    return found;
+  };
+  CHECK(lane_named(dropped_name)->has_timed_out());  // the drop's wait gave up
+  CHECK(dev->create_stream()->name() != dropped_name);
+  gate.set(1);
+  copied.wait(std::chrono::seconds(10));
+  auto again = dev->create_stream();
+  CHECK(again->name() == dropped_name);
+  CHECK_FALSE(lane_named(dropped_name)->has_timed_out());
+  std::vector<float> back(n);
+  again->copyout(std::as_writable_bytes(std::span(back)), b).wait(std::chrono::seconds(10));
+  CHECK(back == x);
+  dev->free_signal(gate);
+}
+
 namespace {
 
 // Host memory that no copy has written yet: a NaN with a payload no float computation makes.
@@ -1431,21 +1470,41 @@ TEST_CASE("cuda fake: a busy stream holds at most 64 MiB of its callers' copyins
     stream->copyout(std::as_writable_bytes(std::span(back)), buffers[i]).wait(std::chrono::seconds(10));
     CHECK(back == inputs[i]);
   }
+  // The copied ones are not counted any more: 40 + 20 MiB behind another gate queue without a wait
+  // (a wait would be for the gate: Timeout after 30 s).
+  Signal gate2 = dev->alloc_signal(0);
+  stream->wait(Event(gate2, 1, nullptr));
+  const std::size_t n40 = std::size_t{10} << 20, n20 = std::size_t{5} << 20;
+  const auto x40 = random_floats(n40, fresh_seed()), x20 = random_floats(n20, fresh_seed());
+  Buffer b40(dev->name(), n40, dtypes::float32), b20(dev->name(), n20, dtypes::float32);
+  b40.allocate();
+  b20.allocate();
+  Event in40 = stream->copyin(b40, std::as_bytes(std::span(x40)));
+  Event in20 = stream->copyin(b20, std::as_bytes(std::span(x20)));
+  CHECK_FALSE(in40.query());
+  gate2.set(1);
+  in20.wait(std::chrono::seconds(10));
   // One copyin larger than the limit is taken whole when nothing else is held.
   const std::size_t big_n = (std::size_t{17} << 20) + fresh_seed() % 1000;  // 68 MiB
   const auto big_x = random_floats(big_n, fresh_seed());
   Buffer big(dev->name(), big_n, dtypes::float32);
   big.allocate();
-  Signal gate2 = dev->alloc_signal(0);
-  stream->wait(Event(gate2, 1, nullptr));
+  Signal gate3 = dev->alloc_signal(0);
+  stream->wait(Event(gate3, 1, nullptr));
   Event big_in = stream->copyin(big, std::as_bytes(std::span(big_x)));
   CHECK_FALSE(big_in.query());
-  gate2.set(1);
+  gate3.set(1);
   auto big_back = sentinel_floats(big_n);
   stream->copyout(std::as_writable_bytes(std::span(big_back)), big).wait(std::chrono::seconds(10));
   CHECK(big_back == big_x);
+  std::vector<float> back40(n40), back20(n20);
+  b40.copyout(std::span(back40));
+  b20.copyout(std::span(back20));
+  CHECK(back40 == x40);
+  CHECK(back20 == x20);
   dev->free_signal(gate);
   dev->free_signal(gate2);
+  dev->free_signal(gate3);
 }
 
 TEST_CASE("cuda fake: a stream copyout whose submission fails - or that a later failure of its stream reports failed - writes nothing into the caller's memory and the stream recovers", "[cuda][fake]") {
