@@ -124,6 +124,7 @@ class CudaProgram final : public Program {
 // lane's copyout reaches the caller's pageable memory (Note [CUDA copyout without blocking] in
 // cuda_device.cpp, which defines it).
 struct HostCopy;
+class CaptureBlock;  // memory a copyin's bytes are captured in (cuda_device.cpp)
 
 // One recorded command (a queue's word). Which fields matter depends on `kind`.
 struct CudaCommand {
@@ -235,7 +236,7 @@ class CudaHCQDevice final : public HCQCompiled<CudaComputeQueue, CudaCopyQueue> 
   static constexpr std::size_t kMaxStreams = 64;
   // Takes back a lane whose stream is gone and whose work finished (HCQLaneStream's destructor).
   void return_lane(CudaHCQDevice* lane) {
-    lane->release_host_copies();  // its work finished: a copyin's captured bytes go now
+    lane->release_host_copies(false);  // its work finished: a copyin's captured bytes go now, spares too
     lanes_.give_back(lane);
   }
   // A lane whose stream was dropped with work unfinished (HCQLaneStream's destructor).
@@ -270,8 +271,9 @@ class CudaHCQDevice final : public HCQCompiled<CudaComputeQueue, CudaCopyQueue> 
   std::uint64_t submit_copyin_later(const Allocation& dest, std::span<const std::byte> src,
                                     std::span<const std::pair<Signal, std::uint64_t>> waits);
   // Lets go of the host copies (a copyin's captured bytes among them) whose work ran, on a lane
-  // without a fault; a stream calls it before each operation, the lane's return after its work.
-  void release_host_copies();
+  // without a fault; a stream calls it before each operation, the lane's return after its work
+  // (which also unmaps the captures kept for reuse: `keep_spare_captures` false).
+  void release_host_copies(bool keep_spare_captures = true);
   // Launches a program outside any queue, ordered on the timeline (CudaProgram::operator()).
   std::optional<double> launch_direct(const CudaProgram& program, const std::byte* args, std::uint32_t bytes,
                                       Dim3 global, Dim3 local, bool timed);
@@ -347,11 +349,10 @@ class CudaHCQDevice final : public HCQCompiled<CudaComputeQueue, CudaCopyQueue> 
   std::uint64_t submit_on_copy_stream(std::span<const std::pair<Signal, std::uint64_t>> waits, Fill&& fill);
   // Appends a host function copying `n` bytes, a record of the lane's until `value` is passed
   // (Note [CUDA copyout without blocking]). `unless_poisoned`: not made once the timeline was
-  // poisoned before `value`. `bytes`: memory the record keeps (a copyin's captured bytes, `captured`
-  // of them).
+  // poisoned before `value`. `capture`: memory the record takes and keeps (a copyin's captured
+  // bytes) until its copy ran.
   void add_host_copy(std::vector<CudaCommand>& commands, std::uint64_t value, std::byte* to, const std::byte* from,
-                     std::size_t n, bool unless_poisoned, std::unique_ptr<std::byte[]> bytes = nullptr,
-                     std::size_t captured = 0);
+                     std::size_t n, bool unless_poisoned, CaptureBlock* capture = nullptr);
   // Before a copyin captures `bytes` more: waits until the lane holds few enough captured bytes
   // (Note [CUDA copyin captures]); Timeout after 30 s (submit mutex held).
   void wait_for_capture_room(std::size_t bytes);
