@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <bit>
 #include <cerrno>
 #include <charconv>
@@ -714,12 +715,43 @@ CudaHCQDevice::CudaHCQDevice(CudaHCQDevice& parent, const std::string& lane_name
   live.devices.push_back(this);
 }
 
+namespace {
+
+// Note [CUDA hardware queues]
+// The driver maps a context's CUDA streams onto CUDA_DEVICE_MAX_CONNECTIONS hardware queues (8 by
+// default, at most 32), round robin; streams on one queue run in the order their work was
+// submitted. A device has two streams and each lane two more, all in the GPU's primary context, so
+// from the third lane on, two of tinydev's streams share a queue by default. Waits for Events of
+// other streams cannot deadlock that way (an Event's work was submitted before any wait for it),
+// but a stream waiting for an Event the host completes later (a raw Signal) holds up the work of
+// the streams behind it on its queue until then, and a host waiting for that work before it
+// completes the Event waits for ever. tinydev does not change the variable (a library writing the
+// environment races with other threads reading it); the first lane past the queues says so once.
+void warn_if_queues_shared(const std::string& lane, std::size_t lane_number) {
+  static std::atomic<bool> warned{false};
+  long queues = 8;
+  if (const char* set = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS"))
+    queues = std::clamp(std::strtol(set, nullptr, 10), 1L, 32L);
+  const std::size_t streams = 2 + 2 * lane_number;
+  if (streams <= static_cast<std::size_t>(queues) || warned.exchange(true)) return;
+  log_message(LogLevel::warning, lane,
+              fmt::format("the GPU now has {} CUDA streams of tinydev's on {} hardware queues "
+                          "(CUDA_DEVICE_MAX_CONNECTIONS): streams sharing a queue run in order, so a stream waiting "
+                          "for an Event the host completes later holds up the others on its queue until then. Set "
+                          "CUDA_DEVICE_MAX_CONNECTIONS=32 before the process's first CUDA call to give {} streams a "
+                          "queue each (Note [CUDA hardware queues], docs/cuda.md)",
+                          streams, queues, 32 / 2 - 1));
+}
+
+}  // namespace
+
 std::shared_ptr<Stream> CudaHCQDevice::create_stream(const StreamOptions& options) {
   check_usable();
   throw_if_failed();
   if (parent_) return parent_->create_stream(options);
   CudaHCQDevice* lane = lanes_.take(kMaxStreams, name(), [&](std::size_t number) {
     auto made = std::unique_ptr<CudaHCQDevice>(new CudaHCQDevice(*this, fmt::format("{} stream {}", name(), number)));
+    warn_if_queues_shared(made->name(), number);
     // Lanes live as long as the process, as registry devices do: the profiler's flush hook
     // processes their profile records (each holds two pinned signal slots until then).
     made->on_opened();

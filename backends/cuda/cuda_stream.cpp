@@ -19,7 +19,7 @@
 // reads the caller's bytes before it returns, and on a busy lane queues them through the bounce
 // too. The GPU runs at most CUDA_DEVICE_MAX_CONNECTIONS (8 by default) hardware queues: beyond
 // that, streams share them, and a stream waiting for an event holds up the others on its queue
-// until the event completes (no deadlock: every wait is for work submitted before it). What the
+// until the event completes (Note [CUDA hardware queues] in cuda_device.cpp). What the
 // queued work uses (Buffers, the Program) is held until the timeline passed it and let go by a
 // later call on the caller's thread.
 #include "cuda_hcq.hpp"

@@ -15,6 +15,7 @@
 #include <cstring>
 #include <fstream>
 #include <iterator>
+#include <mutex>
 #include <thread>
 
 #include "cuda_compiler.hpp"
@@ -1253,6 +1254,44 @@ TEST_CASE("cuda fake: lanes are reused after their stream is dropped and 64 stre
   CHECK_THROWS_WITH(dev->create_stream(), Catch::Contains("64 streams are alive already"));
   alive.pop_back();
   CHECK_NOTHROW(alive.push_back(dev->create_stream()));
+}
+
+TEST_CASE("cuda fake: the first lane whose streams outnumber the GPU's hardware queues says so once", "[cuda][fake]") {
+  auto* dev = fake_hcq();
+  if (!dev) return;
+  std::size_t lanes = 0;
+  dev->for_each_lane([&](const cuda::CudaHCQDevice&) { ++lanes; });
+  if (lanes != 0) {
+    skip("lanes were made by an earlier test in this process (the warning comes once per process; ctest runs each "
+         "test in a process of its own)");
+    return;
+  }
+  ::setenv("CUDA_DEVICE_MAX_CONNECTIONS", "4", 1);
+  std::vector<std::string> warnings;
+  std::mutex warnings_mutex;
+  set_log_sink([&](LogLevel level, std::string_view, std::string_view message) {
+    std::lock_guard lock(warnings_mutex);
+    if (level == LogLevel::warning) warnings.emplace_back(message);
+  });
+  std::vector<std::shared_ptr<Stream>> streams;
+  streams.push_back(dev->create_stream());  // the device's 2 streams and the lane's 2: 4 queues hold them
+  CHECK(warnings.empty());
+  streams.push_back(dev->create_stream());  // 6 streams on 4 queues
+  streams.push_back(dev->create_stream());  // 8: said once already
+  set_log_sink(nullptr);
+  ::unsetenv("CUDA_DEVICE_MAX_CONNECTIONS");
+  REQUIRE(warnings.size() == 1);
+  CHECK_THAT(warnings[0], Catch::Contains("6 CUDA streams") && Catch::Contains("4 hardware queues") &&
+                              Catch::Contains("CUDA_DEVICE_MAX_CONNECTIONS=32"));
+  // The streams work all the same (the fake has no hardware queues to share).
+  const std::size_t n = 500 + fresh_seed() % 500;
+  const auto x = random_floats(n, fresh_seed());
+  Buffer b(dev->name(), n, dtypes::float32);
+  b.allocate();
+  streams[2]->copyin(b, std::as_bytes(std::span(x)));
+  std::vector<float> back(n);
+  streams[2]->copyout(std::as_writable_bytes(std::span(back)), b).wait(std::chrono::seconds(10));
+  CHECK(back == x);
 }
 
 TEST_CASE("cuda fake: a lane dropped with work running comes back once it finished - its frees wait their full time again", "[cuda][fake]") {
