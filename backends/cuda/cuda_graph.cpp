@@ -395,6 +395,12 @@ class CudaGraph final : public Graph {
     c.srcDevice = static_cast<CUdeviceptr>(src);
     c.dstMemoryType = CU_MEMORYTYPE_UNIFIED;
     c.dstDevice = static_cast<CUdeviceptr>(dest);
+    // A 1-D copy as tinygrad's graph writes it: pitch and height given for both ends too (the
+    // driver checks them against the width where they are set).
+    c.srcPitch = size;
+    c.srcHeight = 1;
+    c.dstPitch = size;
+    c.dstHeight = 1;
     c.WidthInBytes = size;
     c.Height = 1;
     c.Depth = 1;

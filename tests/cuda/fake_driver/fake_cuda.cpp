@@ -1000,6 +1000,10 @@ CUresult copy_node(const CUDA_MEMCPY3D* p, FakeNode& node) {
   if (!p || p->srcMemoryType != CU_MEMORYTYPE_UNIFIED || p->dstMemoryType != CU_MEMORYTYPE_UNIFIED ||
       p->Height != 1 || p->Depth != 1 || p->WidthInBytes == 0)
     return CUDA_ERROR_INVALID_VALUE;
+  // As the driver: a pitch, where given, holds at least a row.
+  if ((p->srcPitch != 0 && p->srcPitch < p->WidthInBytes + p->srcXInBytes) ||
+      (p->dstPitch != 0 && p->dstPitch < p->WidthInBytes + p->dstXInBytes))
+    return CUDA_ERROR_INVALID_VALUE;
   node.kernel = false;
   node.dest = p->dstDevice;
   node.src = p->srcDevice;
