@@ -20,6 +20,7 @@
 #include <mutex>
 #include <set>
 #include <string>
+#include <system_error>
 #include <utility>
 #include <vector>
 
@@ -237,7 +238,9 @@ void check_sizes(const std::string& kernel, const std::string& device, Dim3 g, D
 // through the ring before the call returns.
 // The captures are anonymous mappings (CaptureBlock), with huge pages advised from 2 MiB on, and a
 // lane keeps those whose copies ran for its next copyins while they and the queued ones stay
-// within the same 64 MiB; they are unmapped when the lane goes back. Fresh memory for each copyin
+// within the same 64 MiB (a copyin that fits none unmaps spares, oldest first, to stay within
+// it); they are unmapped when the lane is given back (a lane taken back after its dropped
+// stream's work finished keeps them for its next stream). Fresh memory for each copyin
 // made the call page-fault its way through the bytes: 64 MiB took 230 ms here, against 4 ms for a
 // memcpy into memory already faulted in (bench_cuda: "the call returns").
 
@@ -282,13 +285,22 @@ class CaptureBlock {
   // At least `bytes` (whole 2 MiB pages from 2 MiB on, else a power of two from 64 KiB). Throws
   // OutOfMemory naming `what` when the kernel refuses.
   CaptureBlock(std::size_t bytes, std::string_view what) : size_(rounded(bytes)) {
-    void* p = ::mmap(nullptr, size_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    // From 2 MiB on, mapped 2 MiB longer and trimmed to a 2 MiB boundary: huge pages need one.
+    const std::size_t slack = size_ >= kHuge ? kHuge : 0;
+    void* p = ::mmap(nullptr, size_ + slack, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED)
       throw OutOfMemory(fmt::format("{}: cannot map {} bytes to hold a copyin's bytes until it is queued: {}", what,
                                     size_, std::strerror(errno)));
-    // Huge pages fault in 512 times fewer: a fresh 64 MiB takes milliseconds, not a tenth of a second.
-    if (size_ >= kHuge) (void)::madvise(p, size_, MADV_HUGEPAGE);  // where transparent huge pages are on
-    data_ = static_cast<std::byte*>(p);
+    auto* start = static_cast<std::byte*>(p);
+    if (slack) {
+      const std::size_t head = (kHuge - reinterpret_cast<std::uintptr_t>(p) % kHuge) % kHuge;
+      if (head) ::munmap(start, head);
+      if (slack - head) ::munmap(start + head + size_, slack - head);
+      start += head;
+      // Huge pages fault in 512 times fewer: a fresh 64 MiB takes milliseconds, not a tenth of a second.
+      (void)::madvise(start, size_, MADV_HUGEPAGE);  // where transparent huge pages are on
+    }
+    data_ = start;
   }
   CaptureBlock(CaptureBlock&& other) noexcept
       : data_(std::exchange(other.data_, nullptr)), size_(std::exchange(other.size_, 0)) {}
@@ -336,19 +348,35 @@ struct CudaHCQDevice::HostCopies {
   std::vector<CaptureBlock> spare_captures;
   std::size_t spare_bytes = 0;
 
-  // A block of at least `bytes`: the smallest spare one that fits and is at most twice the size a
-  // new one would have (a small copyin does not tie up, and count, a large block), else a new one.
+  // A block of at least `bytes`: the smallest spare one that fits, is at most twice the size a
+  // new one would have (a small copyin does not tie up, and count, a large block) and keeps the
+  // queued captures within the budget; else a new one, after unmapping spares, oldest first, until
+  // the queued captures, the spares and it fit the budget (spares of sizes no copyin asks for any
+  // more do not stay for the life of the stream).
   CaptureBlock take_capture(std::size_t bytes, std::string_view what) {
     const std::size_t wanted = CaptureBlock::rounded(bytes);
+    const std::size_t budget = std::max(kMaxCapturedBytes, wanted);
     auto best = spare_captures.end();
     for (auto it = spare_captures.begin(); it != spare_captures.end(); ++it)
-      if (it->size() >= wanted && it->size() <= 2 * wanted && (best == spare_captures.end() || it->size() < best->size()))
+      if (it->size() >= wanted && it->size() <= 2 * wanted && captured_bytes + it->size() <= budget &&
+          (best == spare_captures.end() || it->size() < best->size()))
         best = it;
-    if (best == spare_captures.end()) return CaptureBlock(bytes, what);
-    CaptureBlock block = std::move(*best);
-    spare_captures.erase(best);
-    spare_bytes -= block.size();
-    return block;
+    if (best != spare_captures.end()) {
+      CaptureBlock block = std::move(*best);
+      spare_captures.erase(best);
+      spare_bytes -= block.size();
+      return block;
+    }
+    std::size_t dropped = 0;
+    while (dropped < spare_captures.size() && captured_bytes + spare_bytes + wanted > budget)
+      spare_bytes -= spare_captures[dropped++].size();
+    spare_captures.erase(spare_captures.begin(), spare_captures.begin() + static_cast<std::ptrdiff_t>(dropped));
+    return CaptureBlock(bytes, what);
+  }
+  // Unmaps every spare capture (the lane goes back, or a spare of it is not wanted).
+  void drop_spare_captures() noexcept {
+    spare_captures.clear();
+    spare_bytes = 0;
   }
   // A record's capture, its copy done: kept if it fits the lane's budget, else unmapped.
   void keep_capture(CaptureBlock block) {
@@ -729,9 +757,14 @@ namespace {
 // environment races with other threads reading it); the first lane past the queues says so once.
 void warn_if_queues_shared(const std::string& lane, std::size_t lane_number) {
   static std::atomic<bool> warned{false};
-  long queues = 8;
-  if (const char* set = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS"))
-    queues = std::clamp(std::strtol(set, nullptr, 10), 1L, 32L);
+  // The driver's default where the variable is unset or not a number it takes (1 to 32).
+  int queues = 8;
+  if (const char* set = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS")) {
+    const std::string_view text(set);
+    int parsed = 0;
+    const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), parsed);
+    if (error == std::errc() && end == text.data() + text.size() && parsed >= 1 && parsed <= 32) queues = parsed;
+  }
   const std::size_t streams = 2 + 2 * lane_number;
   if (streams <= static_cast<std::size_t>(queues) || warned.exchange(true)) return;
   log_message(LogLevel::warning, lane,
@@ -1002,10 +1035,12 @@ void CudaHCQDevice::submit_commands(CudaLane lane, std::span<const CudaCommand> 
 }
 
 void CudaHCQDevice::release_host_copies(bool keep_spare_captures) {
+  if (!host_copies_) return;
+  HostCopies& h = *host_copies_;
+  if (!keep_spare_captures) h.drop_spare_captures();  // no copy reads a spare
   // Only a healthy lane lets records go: a faulted one's timeline may show values reached whose
   // host functions wait behind an event still (Note [CUDA copyout without blocking]).
-  if (!host_copies_ || !fault().empty()) return;
-  HostCopies& h = *host_copies_;
+  if (!fault().empty()) return;
   const std::uint64_t reached = timeline_slot()->value.load(std::memory_order_acquire);
   std::vector<CaptureBlock> done;  // unmapped outside the host-copy mutex
   {
@@ -1016,12 +1051,8 @@ void CudaHCQDevice::release_host_copies(bool keep_spare_captures) {
       h.records.pop_front();
     }
   }
-  for (CaptureBlock& block : done)
-    if (keep_spare_captures) h.keep_capture(std::move(block));
-  if (!keep_spare_captures) {
-    h.spare_captures.clear();
-    h.spare_bytes = 0;
-  }
+  if (keep_spare_captures)
+    for (CaptureBlock& block : done) h.keep_capture(std::move(block));
 }
 
 CudaHCQDevice::HostCopies& CudaHCQDevice::host_copies_for(std::size_t bounce_bytes, std::string_view what) {
@@ -1094,8 +1125,9 @@ std::uint64_t CudaHCQDevice::submit_copyout_later(std::span<std::byte> dest, con
   });
 }
 
-void CudaHCQDevice::wait_for_capture_room(std::size_t bytes) {
+void CudaHCQDevice::wait_for_capture_room(std::size_t requested) {
   HostCopies& h = *host_copies_;
+  const std::size_t bytes = CaptureBlock::rounded(requested);  // what its block holds
   if (h.captured_bytes == 0 || h.captured_bytes + bytes <= kMaxCapturedBytes) return;
   // The value after which enough of the earliest captures are copied (records are in order).
   std::uint64_t until = 0;
@@ -1110,7 +1142,7 @@ void CudaHCQDevice::wait_for_capture_room(std::size_t bytes) {
     }
   }
   debug_log(2, name(), "a copyin of {} bytes waits for timeline value {}: the lane holds {} bytes of queued copyins",
-            bytes, until, h.captured_bytes);
+            requested, until, h.captured_bytes);
   try {
     wait_timeline_reached(until);
   } catch (const Timeout& e) {
@@ -1118,7 +1150,7 @@ void CudaHCQDevice::wait_for_capture_room(std::size_t bytes) {
                               "behind its waits, still hold {} bytes of the callers' (at most {} are queued per "
                               "stream: Note [CUDA copyin captures]). Complete the events the stream waits for, or "
                               "wait for its work before copying more in: {}",
-                              name(), bytes, h.captured_bytes, kMaxCapturedBytes, e.what()));
+                              name(), requested, h.captured_bytes, kMaxCapturedBytes, e.what()));
   }
   release_host_copies();
 }

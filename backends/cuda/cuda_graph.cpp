@@ -396,10 +396,12 @@ class CudaGraph final : public Graph {
     c.dstMemoryType = CU_MEMORYTYPE_UNIFIED;
     c.dstDevice = static_cast<CUdeviceptr>(dest);
     // A 1-D copy as tinygrad's graph writes it: pitch and height given for both ends too (the
-    // driver checks them against the width where they are set).
-    c.srcPitch = size;
+    // driver checks them against the width where they are set), the pitch only below the largest
+    // one a device takes (CU_DEVICE_ATTRIBUTE_MAX_PITCH, 2^31 - 1), 0 (not given) beyond.
+    const std::size_t pitch = size < (std::size_t{1} << 31) ? size : 0;
+    c.srcPitch = pitch;
     c.srcHeight = 1;
-    c.dstPitch = size;
+    c.dstPitch = pitch;
     c.dstHeight = 1;
     c.WidthInBytes = size;
     c.Height = 1;

@@ -55,9 +55,10 @@ class StreamLanes {
   Lane* take(std::size_t max, std::string_view device, Make&& make) {
     reclaim_abandoned();
     std::unique_lock lock(mutex_);
-    // At the limit, lanes another thread is recovering may come free: wait for them first.
+    // At the limit, lanes another thread is recovering may come free: wait for them first
+    // (recover() with no wait is quick; the bound only guards against a lane's submit mutex held).
     if (free_.empty() && lanes_.size() >= max && recovering_ > 0)
-      recovered_.wait(lock, [&] { return recovering_ == 0 || !free_.empty(); });
+      recovered_.wait_for(lock, std::chrono::seconds(5), [&] { return recovering_ == 0 || !free_.empty(); });
     if (!free_.empty()) {
       Lane* lane = free_.back();
       free_.pop_back();
@@ -82,8 +83,11 @@ class StreamLanes {
     return lanes_.back().get();
   }
   void give_back(Lane* lane) {
-    std::lock_guard lock(mutex_);
-    free_.push_back(lane);
+    {
+      std::lock_guard lock(mutex_);
+      free_.push_back(lane);
+    }
+    recovered_.notify_all();  // a take() at the limit may wait for a lane
   }
   // A lane whose stream was dropped before its work finished (or with a fault it could not
   // recover from): not handed out until that work finished and the fault is recovered.
@@ -157,7 +161,7 @@ class StreamLanes {
   }
 
   std::mutex mutex_;
-  std::condition_variable recovered_;  // a lane taken out of abandoned_ to recover is back in a list
+  std::condition_variable recovered_;  // a lane is free, or one taken out of abandoned_ to recover is back in a list
   std::size_t recovering_ = 0;         // lanes in neither list while they recover
   std::vector<std::unique_ptr<Lane>> lanes_;  // never destroyed: events point at their timelines
   std::vector<Lane*> free_;

@@ -16,6 +16,7 @@
 #include <fstream>
 #include <iterator>
 #include <mutex>
+#include <optional>
 #include <thread>
 
 #include "cuda_compiler.hpp"
@@ -401,11 +402,38 @@ TEST_CASE("cuda gpu: an allocation larger than the GPU is OutOfMemory and the de
 
 namespace {
 
-// Sets an environment variable the fake driver reads (not a TINYDEV_* setting) for a scope.
+// Sets an environment variable (the fake driver's, or the driver's: not a TINYDEV_* setting) for a
+// scope, then restores what it was.
 struct FakeEnv {
   std::string name;
-  FakeEnv(std::string n, const std::string& value) : name(std::move(n)) { ::setenv(name.c_str(), value.c_str(), 1); }
-  ~FakeEnv() { ::unsetenv(name.c_str()); }
+  std::optional<std::string> was;
+  FakeEnv(std::string n, const std::string& value) : name(std::move(n)) {
+    if (const char* old = std::getenv(name.c_str())) was = old;
+    ::setenv(name.c_str(), value.c_str(), 1);
+  }
+  ~FakeEnv() {
+    if (was)
+      ::setenv(name.c_str(), was->c_str(), 1);
+    else
+      ::unsetenv(name.c_str());
+  }
+  FakeEnv(const FakeEnv&) = delete;
+  FakeEnv& operator=(const FakeEnv&) = delete;
+};
+
+// Collects the warnings logged in its scope; the log sink is reset when it goes.
+struct Warnings {
+  std::vector<std::string> messages;
+  std::mutex mutex;
+  Warnings() {
+    set_log_sink([this](LogLevel level, std::string_view, std::string_view message) {
+      std::lock_guard lock(mutex);
+      if (level == LogLevel::warning) messages.emplace_back(message);
+    });
+  }
+  ~Warnings() { set_log_sink(nullptr); }
+  Warnings(const Warnings&) = delete;
+  Warnings& operator=(const Warnings&) = delete;
 };
 
 // The first fake GPU, or nullptr after skip() when the driver in use is not the fake.
@@ -695,14 +723,12 @@ TEST_CASE("cuda fake: exit probe", "[.][probe][cuda-exit-probe]") {
 // CUDA_DEVICE_MAX_CONNECTIONS=1: the first open warns that NVRTC 13's output needs a newer driver
 // and that one hardware queue can deadlock the queues' cross waits.
 TEST_CASE("cuda fake: version probe", "[.][probe][cuda-version-probe]") {
-  std::mutex mutex;
   std::vector<std::string> warnings;
-  set_log_sink([&](LogLevel level, std::string_view, std::string_view message) {
-    std::lock_guard lock(mutex);
-    if (level == LogLevel::warning) warnings.emplace_back(message);
-  });
-  REQUIRE(fake_hcq());
-  set_log_sink(nullptr);
+  {
+    Warnings logged;
+    REQUIRE(fake_hcq());
+    warnings = logged.messages;
+  }
   bool warned_version = false, warned_connections = false;
   for (const std::string& w : warnings) {
     warned_version |= w.find("compiles for CUDA 13 drivers, and this driver is 12.4") != std::string::npos;
@@ -724,14 +750,13 @@ TEST_CASE("cuda fake: NVRTC newer than the driver and CUDA_DEVICE_MAX_CONNECTION
 
 // Run by the time-limit test below with FAKE_CUDA_NO_MEMOPS=1 and FAKE_CUDA_KERNEL_TIME_LIMIT=1.
 TEST_CASE("cuda fake: kernel time limit probe", "[.][probe][cuda-time-limit-probe]") {
-  std::mutex mutex;
   std::vector<std::string> warnings;
-  set_log_sink([&](LogLevel level, std::string_view, std::string_view message) {
-    std::lock_guard lock(mutex);
-    if (level == LogLevel::warning) warnings.emplace_back(message);
-  });
-  Compiled* dev = fake_gpu();
-  set_log_sink(nullptr);
+  Compiled* dev = nullptr;
+  {
+    Warnings logged;
+    dev = fake_gpu();
+    warnings = logged.messages;
+  }
   REQUIRE(dev != nullptr);
   bool warned = false;
   for (const std::string& w : warnings) warned |= w.find("queue waits run as spinning kernels") != std::string::npos;
@@ -1266,20 +1291,18 @@ TEST_CASE("cuda fake: the first lane whose streams outnumber the GPU's hardware 
          "test in a process of its own)");
     return;
   }
-  ::setenv("CUDA_DEVICE_MAX_CONNECTIONS", "4", 1);
-  std::vector<std::string> warnings;
-  std::mutex warnings_mutex;
-  set_log_sink([&](LogLevel level, std::string_view, std::string_view message) {
-    std::lock_guard lock(warnings_mutex);
-    if (level == LogLevel::warning) warnings.emplace_back(message);
-  });
   std::vector<std::shared_ptr<Stream>> streams;
-  streams.push_back(dev->create_stream());  // the device's 2 streams and the lane's 2: 4 queues hold them
-  CHECK(warnings.empty());
-  streams.push_back(dev->create_stream());  // 6 streams on 4 queues
-  streams.push_back(dev->create_stream());  // 8: said once already
-  set_log_sink(nullptr);
-  ::unsetenv("CUDA_DEVICE_MAX_CONNECTIONS");
+  std::vector<std::string> warnings;
+  {
+    // No kernel is queued while it is set: the fake's stream threads read the environment.
+    FakeEnv queues("CUDA_DEVICE_MAX_CONNECTIONS", "4");
+    Warnings logged;
+    streams.push_back(dev->create_stream());  // the device's 2 streams and the lane's 2: 4 queues hold them
+    CHECK(logged.messages.empty());
+    streams.push_back(dev->create_stream());  // 6 streams on 4 queues
+    streams.push_back(dev->create_stream());  // 8: said once already
+    warnings = logged.messages;
+  }
   REQUIRE(warnings.size() == 1);
   CHECK_THAT(warnings[0], Catch::Contains("6 CUDA streams") && Catch::Contains("4 hardware queues") &&
                               Catch::Contains("CUDA_DEVICE_MAX_CONNECTIONS=32"));
