@@ -834,12 +834,8 @@ std::uint64_t CudaHCQDevice::device_to_cpu_ns(std::uint64_t device_ns, bool) con
   return static_cast<std::uint64_t>(static_cast<std::int64_t>(device_ns) + clock_offset_ns_);
 }
 
-void CudaHCQDevice::fail(const std::string& reason) const {
-  // The first reason stays: it is the root cause. Waiters on the timeline wake with it.
-  poison_timeline(timeline_signal().slot(), reason);
-}
-
 void CudaHCQDevice::poison_own_timeline(std::string_view reason) const noexcept {
+  // The first reason stays: it is the root cause. Waiters on the timeline wake with it.
   poison_timeline(timeline_signal().slot(), reason);
 }
 
@@ -902,7 +898,7 @@ void CudaHCQDevice::check_health() const {
     const CUresult r = state_->api.cuStreamQuery(stream);
     if (r != CUDA_SUCCESS && r != CUDA_ERROR_NOT_READY) {
       context_failed_.store(true, std::memory_order_release);  // an asynchronous error is sticky
-      fail(fmt::format("{}: the GPU reported an error while running queued work: {}", name(), describe(r)));
+      poison_own_timeline(fmt::format("{}: the GPU reported an error while running queued work: {}", name(), describe(r)));
     }
   }
   const std::uint64_t reached = timeline_signal().slot().value.load(std::memory_order_acquire);
@@ -913,7 +909,7 @@ void CudaHCQDevice::check_health() const {
     if (!w.slot || reached + 1 >= w.taken || !w.slot->poisoned.load(std::memory_order_acquire) ||
         w.slot->value.load(std::memory_order_acquire) >= w.value)
       continue;
-    fail(fmt::format("{}: its queued work waits on the GPU for value {} of a signal that will never reach it: {}",
+    poison_own_timeline(fmt::format("{}: its queued work waits on the GPU for value {} of a signal that will never reach it: {}",
                      name(), w.value, w.slot->poison_text()));
     return;
   }
@@ -940,7 +936,7 @@ void CudaHCQDevice::submit_commands(CudaLane lane, std::span<const CudaCommand> 
                                            lane == CudaLane::compute ? "compute" : "copy", describe(r));
     if (sticky(r)) {
       context_failed_.store(true, std::memory_order_release);
-      fail(reason);
+      poison_own_timeline(reason);
     }
     // Note [CUDA failures]: what this queue would still have signalled never comes.
     for (std::size_t j = from; j < commands.size(); ++j)
@@ -1270,7 +1266,7 @@ std::optional<double> CudaHCQDevice::run_ordered(StreamWork work, std::string_vi
       const std::string reason = fmt::format("{}: {} failed: {}", name(), what, describe(r));
       if (sticky(r)) {
         context_failed_.store(true, std::memory_order_release);
-        fail(reason);
+        poison_own_timeline(reason);
       }
       drop_span(span);
       throw Error(reason);

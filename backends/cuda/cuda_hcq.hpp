@@ -314,7 +314,6 @@ class CudaHCQDevice final : public HCQCompiled<CudaComputeQueue, CudaCopyQueue> 
   void poison_own_timeline(std::string_view reason) const noexcept override;
 
  private:
-  void fail(const std::string& reason) const;
   std::string recovery_hint() const override;
   // Both streams finished what they hold (recover() drains them first).
   bool queues_idle() const override;

@@ -146,8 +146,10 @@ class StreamLanes {
       try {
         lane->recover(std::chrono::milliseconds(0));
         recovered = lane->fault().empty();
-        if (recovered) lane->forget_timeouts();
-        if (recovered) log_message(LogLevel::info, lane->name(), "a dropped stream's lane recovered and is free again");
+        if (recovered) {
+          lane->forget_timeouts();
+          log_message(LogLevel::info, lane->name(), "a dropped stream's lane recovered and is free again");
+        }
       } catch (const std::exception&) {
         // Still running, or a fault recover() cannot clear: left abandoned.
       }
