@@ -1281,31 +1281,66 @@ TEST_CASE("cuda fake: lanes are reused after their stream is dropped and 64 stre
   CHECK_NOTHROW(alive.push_back(dev->create_stream()));
 }
 
-TEST_CASE("cuda fake: the first lane whose streams outnumber the GPU's hardware queues says so once", "[cuda][fake]") {
-  auto* dev = fake_hcq();
-  if (!dev) return;
+namespace {
+
+// Makes `count` streams of `dev` with CUDA_DEVICE_MAX_CONNECTIONS=`queues`, into `streams`, and
+// returns the warnings logged while making each; nullopt after skip() when an earlier test of this
+// process made lanes (the hardware-queue warning comes once per process; ctest runs each test in
+// a process of its own).
+std::optional<std::vector<std::vector<std::string>>> warnings_making_streams(
+    cuda::CudaHCQDevice& dev, const std::string& queues, int count, std::vector<std::shared_ptr<Stream>>& streams) {
   std::size_t lanes = 0;
-  dev->for_each_lane([&](const cuda::CudaHCQDevice&) { ++lanes; });
+  dev.for_each_lane([&](const cuda::CudaHCQDevice&) { ++lanes; });
   if (lanes != 0) {
     skip("lanes were made by an earlier test in this process (the warning comes once per process; ctest runs each "
          "test in a process of its own)");
-    return;
+    return std::nullopt;
   }
-  std::vector<std::shared_ptr<Stream>> streams;
-  std::vector<std::string> warnings;
-  {
-    // No kernel is queued while it is set: the fake's stream threads read the environment.
-    FakeEnv queues("CUDA_DEVICE_MAX_CONNECTIONS", "4");
+  // No kernel is queued while it is set: the fake's stream threads read the environment.
+  FakeEnv set("CUDA_DEVICE_MAX_CONNECTIONS", queues);
+  std::vector<std::vector<std::string>> each;
+  for (int i = 0; i < count; ++i) {
     Warnings logged;
-    streams.push_back(dev->create_stream());  // the device's 2 streams and the lane's 2: 4 queues hold them
-    CHECK(logged.messages.empty());
-    streams.push_back(dev->create_stream());  // 6 streams on 4 queues
-    streams.push_back(dev->create_stream());  // 8: said once already
-    warnings = logged.messages;
+    streams.push_back(dev.create_stream());
+    each.push_back(logged.messages);
   }
-  REQUIRE(warnings.size() == 1);
-  CHECK_THAT(warnings[0], Catch::Contains("6 CUDA streams") && Catch::Contains("4 hardware queues") &&
-                              Catch::Contains("CUDA_DEVICE_MAX_CONNECTIONS=32"));
+  return each;
+}
+
+// Note [CUDA copyin captures]: three buffers of 24 MiB, fresh random inputs for them, and a stream
+// of `dev` waiting for `gate` (shut) before anything it is given: two of these copyins fit the
+// stream's 64 MiB, the third does not.
+struct ThreeCopyins {
+  std::vector<std::vector<float>> inputs;
+  std::vector<Buffer> buffers;
+  std::shared_ptr<Stream> stream;
+  Signal gate;
+  explicit ThreeCopyins(cuda::CudaHCQDevice& dev) {
+    const std::size_t n = (std::size_t{6} << 20) - fresh_seed() % 1000;
+    buffers.reserve(3);
+    for (int i = 0; i < 3; ++i) {
+      inputs.push_back(random_floats(n, fresh_seed()));
+      buffers.emplace_back(dev.name(), n, dtypes::float32).allocate();
+    }
+    stream = dev.create_stream();
+    gate = dev.alloc_signal(0);
+    stream->wait(Event(gate, 1, nullptr));
+  }
+};
+
+}  // namespace
+
+TEST_CASE("cuda fake: the first lane whose streams outnumber the GPU's hardware queues says so once", "[cuda][fake]") {
+  auto* dev = fake_hcq();
+  if (!dev) return;
+  std::vector<std::shared_ptr<Stream>> streams;
+  const auto warnings = warnings_making_streams(*dev, "4", 3, streams);
+  if (!warnings) return;
+  CHECK((*warnings)[0].empty());  // the device's 2 streams and the lane's 2: 4 queues hold them
+  REQUIRE((*warnings)[1].size() == 1);  // 6 streams on 4 queues
+  CHECK_THAT((*warnings)[1][0], Catch::Contains("6 CUDA streams") && Catch::Contains("4 hardware queues") &&
+                                    Catch::Contains("CUDA_DEVICE_MAX_CONNECTIONS=32"));
+  CHECK((*warnings)[2].empty());  // 8: said once already
   // The streams work all the same (the fake has no hardware queues to share).
   const std::size_t n = 500 + fresh_seed() % 500;
   const auto x = random_floats(n, fresh_seed());
@@ -1315,6 +1350,48 @@ TEST_CASE("cuda fake: the first lane whose streams outnumber the GPU's hardware 
   std::vector<float> back(n);
   streams[2]->copyout(std::as_writable_bytes(std::span(back)), b).wait(std::chrono::seconds(10));
   CHECK(back == x);
+}
+
+TEST_CASE("cuda fake: a CUDA_DEVICE_MAX_CONNECTIONS the driver would not take counts as its default of 8", "[cuda][fake]") {
+  auto* dev = fake_hcq();
+  if (!dev) return;
+  // Not a number, a number with a tail, out of range, an overflow: each is the driver's 8 queues.
+  const std::string hostile[] = {"abc", "4x", "0", "-5", "33", "99999999999999999999", ""};
+  const std::string& value = hostile[fresh_seed() % std::size(hostile)];
+  INFO("CUDA_DEVICE_MAX_CONNECTIONS='" << value << "'");
+  std::vector<std::shared_ptr<Stream>> streams;
+  const auto warnings = warnings_making_streams(*dev, value, 4, streams);
+  if (!warnings) return;
+  for (int i = 0; i < 3; ++i) CHECK((*warnings)[i].empty());  // up to 8 streams on 8 queues
+  REQUIRE((*warnings)[3].size() == 1);
+  CHECK_THAT((*warnings)[3][0], Catch::Contains("10 CUDA streams") && Catch::Contains("8 hardware queues"));
+}
+
+TEST_CASE("cuda fake: a copyin past a stream's 64 MiB that the stream never gets to is a Timeout saying why - and the stream goes on", "[cuda][fake]") {
+  auto* dev = fake_hcq();
+  if (!dev) return;
+  ThreeCopyins three(*dev);
+  auto& [inputs, buffers, stream, gate] = three;
+  const std::size_t n = inputs[0].size();
+  stream->copyin(buffers[0], std::as_bytes(std::span(inputs[0])));
+  Event second = stream->copyin(buffers[1], std::as_bytes(std::span(inputs[1])));
+  // The gate stays shut: after 30 s the third copyin gives up, saying what holds it.
+  try {
+    stream->copyin(buffers[2], std::as_bytes(std::span(inputs[2])));
+    FAIL("a copyin past the limit behind a shut gate returned");
+  } catch (const Timeout& e) {
+    CHECK_THAT(std::string(e.what()), Catch::Contains("waited for room in vain") && Catch::Contains("Complete the events"));
+  }
+  CHECK(stream->fault().empty());
+  gate.set(1);
+  second.wait(std::chrono::seconds(10));
+  stream->copyin(buffers[2], std::as_bytes(std::span(inputs[2])));
+  for (int i = 0; i < 3; ++i) {
+    std::vector<float> back(n);
+    stream->copyout(std::as_writable_bytes(std::span(back)), buffers[i]).wait(std::chrono::seconds(10));
+    CHECK(back == inputs[i]);
+  }
+  dev->free_signal(gate);
 }
 
 TEST_CASE("cuda fake: a lane dropped with work running comes back once it finished - its frees wait their full time again", "[cuda][fake]") {
@@ -1501,17 +1578,9 @@ TEST_CASE("cuda fake: a busy stream holds at most 64 MiB of its callers' copyins
   auto* dev = fake_hcq();
   if (!dev) return;
   // Note [CUDA copyin captures]: 3 copyins of 24 MiB behind a gate; the third would make 72 MiB.
-  const std::size_t n = (std::size_t{6} << 20) - fresh_seed() % 1000;
-  std::vector<std::vector<float>> inputs;
-  std::vector<Buffer> buffers;
-  buffers.reserve(3);
-  for (int i = 0; i < 3; ++i) {
-    inputs.push_back(random_floats(n, fresh_seed()));
-    buffers.emplace_back(dev->name(), n, dtypes::float32).allocate();
-  }
-  auto stream = dev->create_stream();
-  Signal gate = dev->alloc_signal(0);
-  stream->wait(Event(gate, 1, nullptr));
+  ThreeCopyins three(*dev);
+  auto& [inputs, buffers, stream, gate] = three;
+  const std::size_t n = inputs[0].size();
   Event first = stream->copyin(buffers[0], std::as_bytes(std::span(inputs[0])));
   stream->copyin(buffers[1], std::as_bytes(std::span(inputs[1])));
   CHECK_FALSE(first.query());
