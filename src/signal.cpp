@@ -74,11 +74,13 @@ void wait_signal_slot(SignalSlot& slot, std::uint64_t wanted, std::chrono::nanos
                              reason.empty() ? std::string("no reason recorded") : reason));
   };
   // Polled slots spin on a fixed time budget below instead (Note [Polled signals]).
+  // A poisoned slot decides by the value it held when poisoned, not by what came after
+  // (poison_failed); the value is read first, so one written after the poison comes with the flag.
   if (!slot.polled && detail::adaptive_spin([&] {
         return slot.value.load(std::memory_order_acquire) >= wanted || slot.poisoned.load(std::memory_order_acquire);
       })) {
-    if (slot.value.load(std::memory_order_acquire) >= wanted) return;
-    throw poisoned();
+    if (poison_failed(slot, wanted)) throw poisoned();
+    return;
   }
   const auto now0 = std::chrono::steady_clock::now();
   const auto deadline = timeout >= std::chrono::steady_clock::time_point::max() - now0
@@ -96,8 +98,12 @@ void wait_signal_slot(SignalSlot& slot, std::uint64_t wanted, std::chrono::nanos
     const auto spin_until = now0 + std::chrono::microseconds(50);
     auto pause = std::chrono::microseconds(1);
     while (true) {
-      if (slot.value.load(std::memory_order_acquire) >= wanted) return;
-      if (slot.poisoned.load(std::memory_order_acquire)) throw poisoned();
+      const bool reached = slot.value.load(std::memory_order_acquire) >= wanted;
+      if (slot.poisoned.load(std::memory_order_acquire)) {
+        if (poison_failed(slot, wanted)) throw poisoned();
+        return;
+      }
+      if (reached) return;
       const auto now = std::chrono::steady_clock::now();
       if (now >= deadline) throw timed_out();
       if (now < spin_until) {
@@ -125,8 +131,8 @@ void wait_signal_slot(SignalSlot& slot, std::uint64_t wanted, std::chrono::nanos
     const auto now = std::chrono::steady_clock::now();
     if (ready || poison || now >= deadline) {
       slot.waiters.fetch_sub(1, std::memory_order_seq_cst);
-      if (ready) return;
-      if (poison) throw poisoned();
+      if (poison && poison_failed(slot, wanted)) throw poisoned();
+      if (ready || poison) return;
       throw timed_out();
     }
     futex_wait(&slot.wake_seq, seq, std::min<std::chrono::nanoseconds>(deadline - now, std::chrono::milliseconds(100)));
@@ -161,6 +167,7 @@ void SignalSlot::poison(std::string_view reason) noexcept {
   poisoned.store(1, std::memory_order_seq_cst);
   wake_seq.fetch_add(1, std::memory_order_seq_cst);
   futex_wake_all(&wake_seq);
+  if (on_poison) on_poison(*this);
 }
 
 void Signal::poison(const std::string& reason) const { slot().poison(reason); }
@@ -221,7 +228,10 @@ Signal SignalPool::alloc(std::uint64_t initial) {
     }
     auto* chunk = static_cast<SignalSlot*>(memory);
     std::uninitialized_default_construct_n(chunk, kChunk);
-    for (std::size_t i = 0; i < kChunk; ++i) chunk[i].polled = memory_.device_writes_without_wake ? 1 : 0;
+    for (std::size_t i = 0; i < kChunk; ++i) {
+      chunk[i].polled = memory_.device_writes_without_wake ? 1 : 0;
+      chunk[i].on_poison = memory_.on_poison;
+    }
     chunks_.push_back(chunk);
     chunk_table_[chunks_.size() - 1].store(chunk, std::memory_order_release);
     for (std::size_t i = kChunk; i-- > 0;) free_.push_back(static_cast<std::uint32_t>(capacity + i));
@@ -237,6 +247,7 @@ Signal SignalPool::alloc(std::uint64_t initial) {
   s.poisoned_at.store(0);
   s.poison_claim.store(0);
   s.poison_reason[0] = '\0';
+  s.reuses.fetch_add(1, std::memory_order_release);
   live_ += 1;
   return Signal(this, index, s.generation.load());
 }

@@ -13,6 +13,8 @@
 #include <bit>
 #include <cerrno>
 #include <charconv>
+#include <chrono>
+#include <condition_variable>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
@@ -21,6 +23,7 @@
 #include <set>
 #include <string>
 #include <system_error>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -37,6 +40,27 @@
 
 namespace tinydev {
 namespace cuda {
+
+// The one thread that lets GPU waits on failed signals go (Note [CUDA waits on failed signals]).
+// Never destroyed (devices outlive static destructors); started by the first device.
+class FailedWaitWatcher {
+ public:
+  // Starts the thread once; DeviceUnavailable if it cannot.
+  static void start();
+  // The signal pool's on_poison: hands the poison on and returns (any thread, under any locks).
+  static void on_poison(SignalSlot& slot) noexcept;
+
+ private:
+  FailedWaitWatcher();
+  [[noreturn]] void run();
+  static std::atomic<FailedWaitWatcher*> instance_;
+  const pid_t pid_;
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  std::atomic<std::uint64_t> poisons_{0};  // poisons of CUDA signals so far
+  std::vector<CudaHCQDevice::Release> releases_;  // the watcher thread's only
+};
+
 
 namespace {
 
@@ -96,7 +120,8 @@ const std::shared_ptr<SignalPool>& shared_signal_pool(const std::shared_ptr<Devi
                                [state = first](void* memory, std::size_t) {
                                  if (!state->released.load()) state->api.cuMemFreeHost(memory);
                                },
-                           .device_writes_without_wake = true})));
+                           .device_writes_without_wake = true,
+                           .on_poison = &FailedWaitWatcher::on_poison})));
   return *pool;
 }
 
@@ -706,6 +731,7 @@ CudaHCQDevice::CudaHCQDevice(const std::string& name, std::shared_ptr<DeviceStat
                   std::make_unique<CudaRuntime>(*this), SourceLanguage::CUDA, shared_signal_pool(state)),
       state_(std::move(state)),
       kernargs_(name) {
+  FailedWaitWatcher::start();  // before this device submits anything (Note [CUDA waits on failed signals])
   // The clock: %globaltimer against the host's, taken around a timestamp (Note [CUDA queues]); of
   // three tries the one with the shortest round trip (the first pays for loading the kernel).
   Signal probe = alloc_signal(0);
@@ -871,24 +897,211 @@ std::string CudaHCQDevice::recover(std::chrono::milliseconds timeout) {
 
 void CudaHCQDevice::throw_if_failed() const {
   const SignalSlot& slot = timeline_signal().slot();
-  if (slot.poisoned.load(std::memory_order_acquire))
+  if (!slot.poisoned.load(std::memory_order_acquire)) return;
+  if (context_failed_.load(std::memory_order_acquire))
     throw Error(fmt::format("{} failed earlier and cannot be used until the process restarts: {}", name(),
                             slot.poison_text()));
+  throw_fault();  // a failure recover() clears (Note [CUDA recovery])
 }
 
 // Note [CUDA waits on failed signals]
-// A signal whose queue failed is poisoned on the host (Note [CUDA failures]) and its value never
-// written, so a GPU queue waiting for it (another device's transfer, a stream waiting for an
-// event) would wait for ever, and so would everyone waiting for this device's timeline. The
-// device remembers its last 64 GPU-side waits with the timeline value taken when each was issued;
-// while its timeline stalls (check_health, every 50 ms of a host wait), a wait whose work has not
-// finished on a poisoned signal below its value fails the device with the signal's reason. Its
-// stream stays blocked on the GPU: recover() cannot drain it and the device (or stream) is not
-// reused.
-void CudaHCQDevice::note_gpu_wait(const SignalSlot* slot, std::uint64_t value) {
-  std::lock_guard lock(recent_waits_mutex_);
-  recent_waits_[recent_waits_next_] = RecentWait{slot, value, timeline_value()};
-  recent_waits_next_ = (recent_waits_next_ + 1) % recent_waits_.size();
+// A poison is the host's mark (tinydev/signal.hpp): a GPU queue waiting on the slot's value with
+// cuStreamWaitValue64 does not see it and would wait for ever, holding up its stream, everything
+// waiting for that stream's timeline, recover() (which drains the queues first) and any driver
+// call that waits for the context's work. A CPU queue stops at a failed wait and poisons what it
+// would have signalled after it; a GPU queue cannot skip its commands, but it can be let go:
+//  - Each submission that waits on a signal other than its own timeline, below the value it
+//    wants, is recorded (pending_) with the waits and the signals after its first wait, until its
+//    waits passed. A wait on a signal that failed already (poison_failed) is not issued at all:
+//    the submission stops there and poisons the signals after it, as a CPU queue does.
+//  - The CUDA signal pool's on_poison hook wakes one thread, the FailedWaitWatcher. It marks every
+//    recorded submission with a failed wait and poisons the signals it would set after that wait
+//    (its timeline among them, so the device or stream is faulted, as on the CPU), again and again
+//    until no new poison comes: the failure reaches everything downstream of it first.
+//  - Only then does it let the waits go by writing the value each failed wait wants into the
+//    slot: the GPU queue runs on, its kernels on whatever their inputs hold, and writes signals
+//    that are poisoned already, so no waiter takes them for success (poison_failed: values after
+//    the poison do not count) and the Events of that work stay failed. A slot that is a device's
+//    current timeline is written only once that device's queues are idle, so the device never
+//    takes work as finished that still runs (its frees and cache reuse read that value). The
+//    watcher writes again while a let-go wait's stream has not gone idle (a late write of a lower
+//    value by another queue would otherwise catch the GPU again).
+// The recording happens before the submission looks at the poison flags, and the hook runs after
+// the flag is set, each with a full fence between, so either the submission sees the failure or
+// the watcher sees the record. The queues then drain, recover() works as on the CPU, and a
+// faulted device's frees wait for its queues to be idle rather than for its timeline
+// (HCQAllocator::wait_before_free). The watcher holds the live-devices mutex while it asks the
+// driver, and the exit handler marks devices released under it (Note [CUDA at exit]).
+std::uint64_t CudaHCQDevice::note_gpu_waits(CudaLane lane, std::span<const CudaCommand> commands) {
+  const SignalSlot* own_timeline = timeline_slot();
+  std::vector<PendingOp> ops;
+  for (const CudaCommand& c : commands) {
+    if (c.kind == CommandKind::wait && c.slot != own_timeline &&
+        (static_cast<std::int64_t>(c.slot->value.load(std::memory_order_acquire) - c.value) < 0 ||
+         poison_failed(*c.slot, c.value)))
+      ops.push_back(PendingOp{c.slot, c.value, c.slot->reuses.load(std::memory_order_acquire), true});
+    else if (c.kind == CommandKind::signal && !ops.empty())
+      ops.push_back(PendingOp{c.slot, c.value, c.slot->reuses.load(std::memory_order_acquire), false});
+  }
+  if (ops.empty()) return 0;
+  std::uint64_t id = 0;
+  {
+    std::lock_guard lock(pending_mutex_);
+    // Submissions whose waits all passed can block nothing any more; a wait that failed is the
+    // watcher's to drop.
+    const auto passed = [](const PendingSubmission& p) {
+      return !p.failed && std::ranges::all_of(p.ops, [](const PendingOp& op) {
+        return !op.is_wait || (static_cast<std::int64_t>(op.slot->value.load(std::memory_order_acquire) - op.value) >= 0 &&
+                               !poison_failed(*op.slot, op.value));
+      });
+    };
+    while (!pending_.empty() && passed(pending_.front())) pending_.pop_front();
+    if (pending_.size() >= 256) std::erase_if(pending_, passed);
+    id = ++pending_ids_;
+    pending_.push_back(PendingSubmission{id, lane, std::move(ops)});
+  }
+  std::atomic_thread_fence(std::memory_order_seq_cst);  // the record, then the poison flags (above)
+  return id;
+}
+
+void CudaHCQDevice::forget_gpu_waits(std::uint64_t id) {
+  if (id == 0) return;
+  std::lock_guard lock(pending_mutex_);
+  std::erase_if(pending_, [&](const PendingSubmission& p) { return p.id == id; });
+}
+
+std::size_t CudaHCQDevice::fail_gpu_waits() {
+  struct Poison {
+    SignalSlot* slot;
+    std::uint32_t reuses;
+    std::string reason;
+  };
+  std::vector<Poison> poisons;
+  std::size_t marked = 0;
+  {
+    std::lock_guard lock(pending_mutex_);
+    std::erase_if(pending_, [](const PendingSubmission& p) { return std::ranges::any_of(p.ops, &PendingOp::stale); });
+    for (PendingSubmission& p : pending_) {
+      if (p.failed) continue;
+      const auto failed = std::ranges::find_if(p.ops, [](const PendingOp& op) {
+        return op.is_wait && poison_failed(*op.slot, op.value);
+      });
+      if (failed == p.ops.end()) continue;
+      p.failed = true;
+      marked += 1;
+      const std::string reason =
+          fmt::format("{}: its queued work waited on the GPU for value {} of a signal that failed: {}", name(),
+                      failed->value, failed->slot->poison_text());
+      for (auto op = failed + 1; op != p.ops.end(); ++op)
+        if (!op->is_wait) poisons.push_back(Poison{op->slot, op->reuses, reason});
+    }
+  }
+  // Outside the pending mutex: the timeline's poison takes the lane's host-copy mutex. Timelines
+  // are never handed out again; any other signal only while it is still the one recorded.
+  for (const Poison& p : poisons) {
+    if (p.slot == timeline_slot()) {
+      poison_timeline(*p.slot, p.reason);
+      continue;
+    }
+    const auto hold = signal_pool().hold_reuse();
+    if (p.slot->reuses.load(std::memory_order_acquire) == p.reuses) p.slot->poison(p.reason);
+  }
+  return marked;
+}
+
+bool CudaHCQDevice::collect_releases(std::vector<Release>& releases) {
+  std::lock_guard lock(pending_mutex_);
+  const DeviceState& s = *state_;
+  bool asked_driver = false;
+  const auto stream_idle = [&](CudaLane lane) {
+    if (s.released.load(std::memory_order_acquire)) return true;  // nothing runs any more
+    if (!asked_driver && s.api.cuCtxSetCurrent(s.context) != CUDA_SUCCESS) return true;
+    asked_driver = true;
+    // NOT_READY: work left; an error other than that: the context failed, nothing runs on.
+    return s.api.cuStreamQuery(lane == CudaLane::compute ? s.compute : s.copy) != CUDA_ERROR_NOT_READY;
+  };
+  std::erase_if(pending_, [&](const PendingSubmission& p) {
+    return std::ranges::any_of(p.ops, &PendingOp::stale) || (p.failed && stream_idle(p.lane));
+  });
+  bool outstanding = false;
+  for (const PendingSubmission& p : pending_) {
+    if (!p.failed) continue;
+    outstanding = true;
+    for (const PendingOp& op : p.ops)
+      if (op.is_wait && poison_failed(*op.slot, op.value)) releases.push_back(Release{op.slot, op.value, op.reuses});
+  }
+  return outstanding;
+}
+
+std::atomic<FailedWaitWatcher*> FailedWaitWatcher::instance_{nullptr};
+
+void FailedWaitWatcher::start() {
+  static FailedWaitWatcher* watcher = new FailedWaitWatcher;  // a failed start throws, and the next device tries again
+  instance_.store(watcher, std::memory_order_release);
+}
+
+FailedWaitWatcher::FailedWaitWatcher() : pid_(::getpid()) {
+  try {
+    std::thread([this] { run(); }).detach();
+  } catch (const std::system_error& e) {
+    throw DeviceUnavailable(fmt::format("CUDA: cannot start the thread that lets GPU waits on failed signals go: {}",
+                                        e.what()));
+  }
+}
+
+void FailedWaitWatcher::on_poison(SignalSlot&) noexcept {
+  FailedWaitWatcher* w = instance_.load(std::memory_order_acquire);
+  if (!w || ::getpid() != w->pid_) return;  // a forked child: no watcher runs there, and its locks may be held
+  w->poisons_.fetch_add(1, std::memory_order_seq_cst);
+  { std::lock_guard lock(w->mutex_); }  // the watcher reads poisons_ under it before it sleeps
+  w->wake_.notify_one();
+}
+
+void FailedWaitWatcher::run() {
+  std::uint64_t seen = 0;
+  auto tick = std::chrono::milliseconds(1);
+  bool outstanding = false;  // waits were let go whose streams have not gone idle yet
+  for (;;) {
+    {
+      std::unique_lock lock(mutex_);
+      const auto fresh = [&] { return poisons_.load(std::memory_order_seq_cst) != seen; };
+      if (outstanding) wake_.wait_for(lock, tick, fresh);
+      else wake_.wait(lock, fresh);
+    }
+    LiveDevices& live = live_devices();
+    std::lock_guard lock(live.mutex);
+    // Every failure first, down to the last queue it reaches: each poison it makes counts too.
+    do {
+      seen = poisons_.load(std::memory_order_seq_cst);
+      std::atomic_thread_fence(std::memory_order_seq_cst);  // the poison flags, then the records
+      for (CudaHCQDevice* device : live.devices) device->fail_gpu_waits();
+    } while (poisons_.load(std::memory_order_seq_cst) != seen);
+    // Then the waits go.
+    releases_.clear();
+    outstanding = false;
+    for (CudaHCQDevice* device : live.devices) outstanding |= device->collect_releases(releases_);
+    bool wrote = false;
+    for (const CudaHCQDevice::Release& r : releases_) {
+      const auto below = [&] { return static_cast<std::int64_t>(r.slot->value.load(std::memory_order_acquire) - r.value) < 0; };
+      if (!below()) continue;
+      const auto owner =
+          std::ranges::find_if(live.devices, [&](const CudaHCQDevice* d) { return d->timeline_slot() == r.slot; });
+      if (owner != live.devices.end()) {
+        // A device's timeline: written only once nothing of that device runs any more, so it never
+        // takes work as finished that is not (its frees and cache reuse read the value).
+        if (!(*owner)->queues_idle()) continue;
+        r.slot->store(r.value);
+        wrote = true;
+        continue;
+      }
+      // Any other signal only while it is still the one the wait was recorded with.
+      const auto hold = live.devices.front()->signal_pool().hold_reuse();
+      if (r.slot->reuses.load(std::memory_order_acquire) != r.reuses || !below()) continue;
+      r.slot->store(r.value);
+      wrote = true;
+    }
+    tick = wrote ? std::chrono::milliseconds(1) : std::min(tick * 2, std::chrono::milliseconds(20));
+  }
 }
 
 void CudaHCQDevice::check_health() const {
@@ -900,18 +1113,6 @@ void CudaHCQDevice::check_health() const {
       context_failed_.store(true, std::memory_order_release);  // an asynchronous error is sticky
       poison_own_timeline(fmt::format("{}: the GPU reported an error while running queued work: {}", name(), describe(r)));
     }
-  }
-  const std::uint64_t reached = timeline_signal().slot().value.load(std::memory_order_acquire);
-  std::lock_guard lock(recent_waits_mutex_);
-  for (const RecentWait& w : recent_waits_) {
-    // Issued when `taken` was the next timeline value: the submission signals at most taken - 1,
-    // and once the timeline reached that, the wait passed.
-    if (!w.slot || reached + 1 >= w.taken || !w.slot->poisoned.load(std::memory_order_acquire) ||
-        w.slot->value.load(std::memory_order_acquire) >= w.value)
-      continue;
-    poison_own_timeline(fmt::format("{}: its queued work waits on the GPU for value {} of a signal that will never reach it: {}",
-                     name(), w.value, w.slot->poison_text()));
-    return;
   }
 }
 
@@ -928,10 +1129,13 @@ void CudaHCQDevice::submit_commands(CudaLane lane, std::span<const CudaCommand> 
   std::array<CUstreamBatchMemOpParams, 64> batch;
   unsigned batched = 0;
   std::size_t i = 0, batch_first = 0;  // the command being issued; the first one in `batch`
+  // Note [CUDA waits on failed signals]: recorded before any poison flag is looked at.
+  const std::uint64_t pending_id = note_gpu_waits(lane, commands);
   // `from`: the first command the failed call issued (a batch's first, else the current one).
   const auto issue = [&](CUresult r, std::string_view what, std::size_t from) {
     if (r == CUDA_SUCCESS) [[likely]]
       return;
+    forget_gpu_waits(pending_id);  // what it waits on was not all issued: nothing to let go
     const std::string reason = fmt::format("{}: {} failed (command {} of a {} queue): {}", name(), what, from,
                                            lane == CudaLane::compute ? "compute" : "copy", describe(r));
     if (sticky(r)) {
@@ -958,7 +1162,17 @@ void CudaHCQDevice::submit_commands(CudaLane lane, std::span<const CudaCommand> 
       case CommandKind::signal:
       case CommandKind::wait: {
         const auto address = reinterpret_cast<CUdeviceptr>(&c.slot->value);  // Note [CUDA signal memory]
-        if (c.kind == CommandKind::wait) note_gpu_wait(c.slot, c.value);
+        if (c.kind == CommandKind::wait && pending_id != 0 && poison_failed(*c.slot, c.value)) {
+          // A wait that failed already is not issued: the queue stops here, as a CPU queue does,
+          // and what it would signal after the wait never comes.
+          flush();
+          forget_gpu_waits(pending_id);
+          const std::string reason = fmt::format("{}: its queue waits for value {} of a signal that failed: {}", name(),
+                                                 c.value, c.slot->poison_text());
+          for (std::size_t j = i + 1; j < commands.size(); ++j)
+            if (commands[j].kind == CommandKind::signal) poison_timeline(*commands[j].slot, reason);
+          return;
+        }
         if (!s.memops) {
           flush();
           const std::uint64_t args[2] = {static_cast<std::uint64_t>(address), c.value};
@@ -1454,7 +1668,13 @@ void release_at_exit() {
       debug_log(1, device->name(), "unfinished work at exit: {}", e.what());
     }
   }
-  for (CudaHCQDevice* device : devices) device->state().released.store(true, std::memory_order_release);
+  {
+    // Under the mutex: the FailedWaitWatcher asks the driver only while holding it, after
+    // looking at `released`.
+    LiveDevices& live = live_devices();
+    std::lock_guard lock(live.mutex);
+    for (CudaHCQDevice* device : devices) device->state().released.store(true, std::memory_order_release);
+  }
   for (auto it = devices.rbegin(); it != devices.rend(); ++it) {
     DeviceState& s = (*it)->state();
     if (&s == g_signal_owner_of_pool) continue;

@@ -37,6 +37,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <deque>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -299,7 +300,8 @@ class CudaHCQDevice final : public HCQCompiled<CudaComputeQueue, CudaCopyQueue> 
   std::map<std::string, std::string> properties() const override;
 
   DeviceState& state() const noexcept { return *state_; }
-  // Throws the Error of a sticky failure seen earlier (Note [CUDA failures]); nothing otherwise.
+  // Throws the Error of a sticky failure seen earlier (Note [CUDA failures]), the DeviceFault of
+  // one recover() clears, nothing otherwise.
   void throw_if_failed() const;
   // Note [CUDA recovery]: after a sticky driver error the context is unusable and the driver
   // offers no way back short of destroying it: recover() refuses then; other faults (a poisoned
@@ -318,16 +320,40 @@ class CudaHCQDevice final : public HCQCompiled<CudaComputeQueue, CudaCopyQueue> 
   // Both streams finished what they hold (recover() drains them first).
   bool queues_idle() const override;
   int launch_timestamp(SignalSlot* slot, void* stream);  // the CUresult of the timestamp kernel's launch
-  // Note [CUDA waits on failed signals] (cuda_device.cpp).
-  void note_gpu_wait(const SignalSlot* slot, std::uint64_t value);
-  struct RecentWait {
-    const SignalSlot* slot = nullptr;
-    std::uint64_t value = 0;
-    std::uint64_t taken = 0;  // timeline_value() when the wait was issued
+  // Note [CUDA waits on failed signals] (cuda_device.cpp): the submissions of this device whose
+  // GPU waits on other signals have not all passed, with what each signals after them.
+  friend class FailedWaitWatcher;
+  struct PendingOp {
+    SignalSlot* slot;
+    std::uint64_t value;
+    std::uint32_t reuses;  // the slot's SignalSlot::reuses then: a slot handed out again is not touched
+    bool is_wait;
+    // The signal was freed and handed out again since: the record says nothing about it any more.
+    bool stale() const noexcept { return slot->reuses.load(std::memory_order_acquire) != reuses; }
   };
-  mutable std::mutex recent_waits_mutex_;
-  std::array<RecentWait, 64> recent_waits_{};
-  std::size_t recent_waits_next_ = 0;
+  struct Release {  // a failed wait to let go: `slot` gets `value`
+    SignalSlot* slot;
+    std::uint64_t value;
+    std::uint32_t reuses;
+  };
+  struct PendingSubmission {
+    std::uint64_t id;
+    CudaLane lane;
+    std::vector<PendingOp> ops;  // its waits on other signals and the signals after the first, in order
+    bool failed = false;  // a wait failed: the signals after it are poisoned, the watcher lets it go
+  };
+  // Records `commands` if they wait on a signal that has not reached the value (not this device's
+  // timeline); returns its id (0: nothing recorded).
+  std::uint64_t note_gpu_waits(CudaLane lane, std::span<const CudaCommand> commands);
+  void forget_gpu_waits(std::uint64_t id);
+  // The watcher's side: marks the submissions with a failed wait and poisons what they signal
+  // after it (returns how many it marked); appends the waits of marked submissions that still need
+  // their signal written, dropping the marked ones whose stream went idle (the driver is asked).
+  std::size_t fail_gpu_waits();
+  bool collect_releases(std::vector<Release>& releases);
+  mutable std::mutex pending_mutex_;
+  std::deque<PendingSubmission> pending_;
+  std::uint64_t pending_ids_ = 0;
   // Profiling spans around stream work (each returns a CUresult; see cuda_device.cpp).
   int begin_span(std::optional<ProfileRecord>& span, std::string_view name, void* stream);
   int end_span(std::optional<ProfileRecord>& span, void* stream);

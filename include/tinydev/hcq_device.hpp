@@ -365,6 +365,11 @@ class HCQCompiled : public Compiled {
     return timeline_slot_.load(std::memory_order_acquire)->value.load(std::memory_order_acquire) + 1 >= timeline_value();
   }
 
+  // Whether the queues hold no work at all, finished or failed (recover() drains them). After a
+  // failure the timeline no longer says: a GPU's queue goes on past a failed wait (Note [CUDA
+  // waits on failed signals] in backends/cuda/cuda_device.cpp).
+  bool queues_drained() const { return queues_idle(); }
+
   void wrap_timeline() {
     std::lock_guard lock(submit_mutex_);
     wait_timeline_reached(last_submitted_value());

@@ -5,7 +5,9 @@
 // queue until value >= wanted, `timestamp` commands store the device clock. The host waits with
 // Signal::wait: a short spin, then a futex sleep, then a Timeout naming the signal, the value
 // wanted and the value seen. A device-side failure poisons a signal: its waiters get an Error with
-// the reason instead of hanging.
+// the reason instead of hanging, for good: a value written after the poison (a GPU's queue let go
+// past the failure, Note [CUDA waits on failed signals]) does not complete a wait for it, as it
+// does not complete an Event (Note [Events after a poison] in src/stream.cpp).
 //
 // Ownership and lifetime: a SignalPool owns its slots for its whole life (slots never move, so
 // queued commands hold raw slot pointers). A Signal is a small copyable handle (pool, index,
@@ -57,6 +59,11 @@ struct alignas(64) SignalSlot {
   // reports the failure even once a device writes its value later (Note [Events after a poison]).
   std::atomic<std::uint64_t> poisoned_at{0};
   char poison_reason[432] = {};              // written by the claimant before `poisoned` is set
+  // Bumped each time the pool hands the slot out (under its mutex): one who kept the slot's
+  // pointer can tell, under SignalPool::hold_reuse, that it is still the signal it kept.
+  std::atomic<std::uint32_t> reuses{0};
+  // Called once, by the first poisoner, after the flag is set: the pool's SignalMemory::on_poison.
+  void (*on_poison)(SignalSlot&) noexcept = nullptr;
 
   // Stores a value and wakes sleeping waiters (what a device's `signal` command does).
   void store(std::uint64_t v) noexcept;
@@ -79,7 +86,8 @@ class Signal {
   void set(std::uint64_t v) const;
   // The last timestamp a queue stored, in ns of the device clock.
   std::uint64_t timestamp() const;
-  // Blocks until value() >= wanted. Timeout after `timeout`; Error if the signal is poisoned.
+  // Blocks until value() >= wanted. Timeout after `timeout`; Error if the signal is poisoned and
+  // had not reached `wanted` when it was (whatever is written to it afterwards).
   void wait(std::uint64_t wanted, std::chrono::milliseconds timeout = std::chrono::seconds(30)) const;
   // Marks a device-side failure: waiters (now and later) throw an Error carrying `reason`.
   void poison(const std::string& reason) const;
@@ -113,6 +121,11 @@ struct SignalMemory {
   // Gives back what allocate returned; called when the pool dies. Must not throw.
   std::function<void(void* memory, std::size_t bytes)> release;
   bool device_writes_without_wake = false;
+  // Called by the first poisoner of a slot, after the slot is marked, with no lock of the pool's
+  // held; it may be called from any thread, under the poisoner's locks, so it must only hand the
+  // slot on (a GPU backend wakes a thread that lets its queues' waits go: Note [CUDA waits on
+  // failed signals]). It must not throw, block or poison a slot itself.
+  void (*on_poison)(SignalSlot& slot) noexcept = nullptr;
 };
 
 class SignalPool {
@@ -134,6 +147,10 @@ class SignalPool {
   const std::string& name() const noexcept { return name_; }
   std::size_t live() const;
 
+  // While the returned lock is held no slot is handed out (alloc waits): a slot whose `reuses` is
+  // what it was is still the signal it was, and may be written (Note [CUDA waits on failed
+  // signals]). Hold it briefly, and allocate nothing meanwhile.
+  std::unique_lock<std::mutex> hold_reuse() const { return std::unique_lock(mutex_); }
   // Slot access for a handle, checking the generation.
   SignalSlot& slot(const Signal& signal);
   // The index of a slot of this pool (for messages), nullopt if it is not one.
@@ -234,11 +251,19 @@ bool adaptive_spin(Ready&& ready) {
 // 128 us: latency stays in microseconds for short waits, a wait for long work overshoots its end
 // by at most about 128 us plus the kernel's timer slack, and the CPU is free meanwhile.
 
-// Waits for slot->value >= wanted (spin, then futex sleep, or polling for polled slots).
+// Waits for slot->value >= wanted (spin, then futex sleep, or polling for polled slots); an Error
+// once the slot is poisoned, unless it held `wanted` already when it was (poison_failed).
 // `handle_for_errors` names the signal in errors. Used by Signal::wait and by device queues that
 // wait on the host side.
 void wait_signal_slot(SignalSlot& slot, std::uint64_t wanted, std::chrono::nanoseconds timeout,
                       const Signal* handle_for_errors);
+
+// Whether a wait for `wanted` on `slot` failed: the slot is poisoned and had not reached `wanted`
+// when it was. Values written after the poison do not count (Note [Events after a poison]).
+inline bool poison_failed(const SignalSlot& slot, std::uint64_t wanted) noexcept {
+  return slot.poisoned.load(std::memory_order_acquire) != 0 &&
+         slot.poisoned_at.load(std::memory_order_relaxed) < wanted;
+}
 
 }  // namespace tinydev
 

@@ -1733,27 +1733,146 @@ TEST_CASE("cuda gpu: 4 clients with a stream each make 200 requests each and eve
   CHECK(wrong == 0);
 }
 
-TEST_CASE("cuda fake: a GPU queue waiting for a signal that failed fails its device with the reason instead of hanging", "[cuda][fake]") {
+TEST_CASE("cuda fake: a GPU queue waiting for a signal that failed fails its device with the reason - is let go - and the device recovers", "[cuda][fake]") {
   auto* dev = fake_hcq("CUDA:1");
   if (!dev) return;
   Signal upstream = dev->alloc_signal(0);
+  const std::uint64_t wanted = 1 + fresh_seed() % 1000;
   {
     // The HCQ pattern: after the timeline's last value, wait on the GPU for upstream, then signal.
     auto r = dev->reserve_timeline_value();
     dev->compute_queue()
         .wait(dev->timeline_signal(), r.value() - 1)
-        .wait(upstream, 1)
+        .wait(upstream, wanted)
         .signal(dev->timeline_signal(), r.value())
         .submit(*dev);
     r.submitted();
   }
-  upstream.poison("the producer's copy failed");  // its value will never come
+  const std::string cause = "the producer's copy failed " + std::to_string(fresh_seed() % 100000);
+  upstream.poison(cause);  // its value will never come
   const auto start = std::chrono::steady_clock::now();
   CHECK_THROWS_WITH(dev->synchronize(),
-                    Catch::Contains("waits on the GPU for value 1 of a signal that will never reach it") &&
-                        Catch::Contains("the producer's copy failed"));
+                    Catch::Contains(fmt::format("waited on the GPU for value {} of a signal that failed", wanted)) &&
+                        Catch::Contains(cause));
   CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(5));  // not the 30 s timeout
-  CHECK_THAT(dev->fault(), Catch::Contains("the producer's copy failed"));
+  CHECK_THAT(dev->fault(), Catch::Contains(cause));
+  // The GPU's wait was let go (the failed signal now holds the value it wanted, and stays failed),
+  // so the queue drains and recover() goes on as on the CPU.
+  CHECK_THAT(dev->recover(std::chrono::seconds(5)), Catch::Contains(cause));
+  CHECK(upstream.value() == wanted);
+  CHECK_THROWS_WITH(upstream.wait(wanted, std::chrono::milliseconds(10)), Catch::Contains(cause));
+  const auto data = random_bytes(4096 + fresh_seed() % 4096, fresh_seed());
+  Buffer b(dev->name(), data.size(), dtypes::uint8);
+  b.allocate().copyin(data);
+  std::vector<std::byte> back(data.size());
+  b.copyout(back);
+  CHECK(back == data);
+  dev->free_signal(upstream);
+}
+
+TEST_CASE("cuda fake: a failed signal fails every GPU queue downstream of it on two GPUs before any is let go - none reports success - and both go on", "[cuda][fake]") {
+  auto* a = fake_hcq("CUDA");
+  if (!a) return;
+  auto* b = fake_hcq("CUDA:1");
+  // Each round races the watcher letting the queues go against their signals' poisons: a signal
+  // written before its poison would complete its waiter here.
+  for (int round = 0; round < 25; ++round) {
+    INFO("round " << round);
+    Signal root = a->alloc_signal(0), middle = a->alloc_signal(0), last = b->alloc_signal(0);
+    const std::uint64_t v = 1 + fresh_seed() % 1000;
+    a->compute_queue().wait(root, v).signal(middle, v).submit(*a);
+    b->copy_queue().wait(middle, v).signal(last, 2 * v).submit(*b);  // another GPU, its copy stream
+    const std::string cause = "producer failed in round " + std::to_string(round);
+    root.poison(cause);
+    CHECK_THROWS_WITH(last.wait(2 * v, std::chrono::seconds(5)), Catch::Contains(cause) && Catch::Contains("poisoned"));
+    CHECK_THROWS_WITH(middle.wait(v, std::chrono::seconds(5)), Catch::Contains(cause));
+    // Both streams were let go: work queued behind on them runs.
+    Signal after_a = a->alloc_signal(0), after_b = b->alloc_signal(0);
+    a->compute_queue().signal(after_a, 1).submit(*a);
+    b->copy_queue().signal(after_b, 1).submit(*b);
+    after_a.wait(1, std::chrono::seconds(5));
+    after_b.wait(1, std::chrono::seconds(5));
+    // The GPU wrote `last` when let go, and it still reads as failed; the devices are not faulted
+    // (these queues were not on their timelines).
+    CHECK(last.value() == 2 * v);
+    CHECK_THROWS_WITH(last.wait(2 * v, std::chrono::milliseconds(10)), Catch::Contains(cause));
+    CHECK(a->fault().empty());
+    CHECK(b->fault().empty());
+    for (const Signal& s : {root, middle, after_a}) a->free_signal(s);
+    for (const Signal& s : {last, after_b}) b->free_signal(s);
+  }
+}
+
+TEST_CASE("cuda fake: a queue whose wait failed before it was submitted issues nothing past that wait", "[cuda][fake]") {
+  auto* dev = fake_hcq();
+  if (!dev) return;
+  Signal root = dev->alloc_signal(0), before = dev->alloc_signal(0), after = dev->alloc_signal(0);
+  const std::string cause = "failed earlier " + std::to_string(fresh_seed() % 100000);
+  root.poison(cause);
+  const long waits = fake_calls("cuStreamBatchMemOp") + fake_calls("cuStreamWaitValue64") + fake_calls("cuLaunchKernel");
+  dev->compute_queue().signal(before, 3).wait(root, 1).signal(after, 4).submit(*dev);
+  before.wait(3, std::chrono::seconds(5));  // what came before the wait ran
+  CHECK_THROWS_WITH(after.wait(4, std::chrono::seconds(5)),
+                    Catch::Contains("its queue waits for value 1 of a signal that failed") && Catch::Contains(cause));
+  // Only the signal before the wait reached the driver; the stream is not held up.
+  CHECK(fake_calls("cuStreamBatchMemOp") + fake_calls("cuStreamWaitValue64") + fake_calls("cuLaunchKernel") == waits + 1);
+  CHECK(root.value() == 0);  // no GPU wait needed letting go
+  Signal later = dev->alloc_signal(0);
+  dev->compute_queue().signal(later, 1).submit(*dev);
+  later.wait(1, std::chrono::seconds(5));
+  CHECK(dev->fault().empty());
+  for (const Signal& s : {root, before, after, later}) dev->free_signal(s);
+}
+
+TEST_CASE("cuda fake: memory a failed device's queued kernel still writes is freed only once its queues drained", "[cuda][fake]") {
+  auto* dev = fake_hcq();
+  if (!dev) return;
+  ScopedOverride no_cache("TINYDEV_LRU", "0");  // frees are real: the fake driver's memory goes
+  auto add = std::dynamic_pointer_cast<cuda::CudaProgram>(dev->load_kernel("add", kernels::add_f32(SourceLanguage::CUDA)));
+  REQUIRE(add);
+  const std::size_t n = 256 + fresh_seed() % 768;
+  const auto x = random_floats(n, fresh_seed());
+  Buffer in(dev->name(), n, dtypes::float32);
+  in.allocate().copyin(std::span<const float>(x));
+  Signal gate = dev->alloc_signal(0), root = dev->alloc_signal(0);
+  std::optional<Buffer> out(std::in_place, dev->name(), n, dtypes::float32);
+  out->allocate();
+  {
+    // On the timeline: a wait that will be satisfied late, one that fails, then a kernel writing `out`.
+    const Allocation bufs[] = {out->allocation(), in.allocation(), in.allocation()};
+    const std::int32_t vals[] = {static_cast<std::int32_t>(n)};
+    Kernargs args = dev->alloc_kernargs(3, 1);
+    fill_kernargs(*add, args, bufs, vals);
+    auto r = dev->reserve_timeline_value();
+    dev->compute_queue()
+        .wait(dev->timeline_signal(), r.value() - 1)
+        .wait(gate, 1)
+        .wait(root, 1)
+        .exec(*add, args, {4, 1, 1}, {256, 1, 1})
+        .signal(dev->timeline_signal(), r.value())
+        .submit(*dev);
+    r.submitted();
+  }
+  root.poison("the input never came");
+  CHECK_THROWS_AS(dev->synchronize(), DeviceFault);  // failed: the timeline is poisoned
+  // The kernel still runs once the gate opens: the free must wait for it, not for the timeline.
+  std::atomic<std::int64_t> opened_ns{0};
+  std::thread opener([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    opened_ns = std::chrono::steady_clock::now().time_since_epoch().count();
+    gate.set(1);
+  });
+  out.reset();  // frees the device memory (cuMemFree) the kernel writes
+  const std::int64_t freed_ns = std::chrono::steady_clock::now().time_since_epoch().count();
+  opener.join();
+  CHECK(opened_ns.load() != 0);
+  CHECK(freed_ns >= opened_ns.load());
+  CHECK_THAT(dev->recover(std::chrono::seconds(5)), Catch::Contains("the input never came"));
+  std::vector<float> back(n);
+  in.copyout(std::span<float>(back));
+  CHECK(back == x);
+  dev->free_signal(gate);
+  dev->free_signal(root);
 }
 
 TEST_CASE("cuda fake: a graph launch the driver refuses is an Error and the device and the graph keep working", "[cuda][fake]") {
