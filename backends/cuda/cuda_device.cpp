@@ -444,7 +444,12 @@ CudaProgram::~CudaProgram() {
       debug_log(1, device_.name(), "'{}' is unloaded at exit only: {}", name(), e.what());
       return;
     } catch (const std::exception&) {
-      // The device failed: its work will not run any more.
+      // The device failed, but work queued before may still run (Note [CUDA waits on failed
+      // signals]): not under a kernel of this module.
+      if (!device_.wait_queues_drained(device_.has_timed_out() ? std::chrono::seconds(1) : std::chrono::seconds(30))) {
+        debug_log(1, device_.name(), "'{}' is unloaded at exit only: its failed device's queues did not drain", name());
+        return;
+      }
     }
   }
   if (s.api.cuCtxSetCurrent(s.context) == CUDA_SUCCESS) s.api.cuModuleUnload(static_cast<CUmodule>(module_));

@@ -88,7 +88,10 @@ class CudaGraph final : public Graph {
       // A replay may still run: wait for it.
       if (replayed_) device_.wait_timeline_reached(device_.last_submitted_value());
     } catch (const std::exception&) {
-      // The device failed: its work will not run any more.
+      // The device failed, but a replay queued before may still run (Note [CUDA waits on failed
+      // signals]), and the programs this graph holds go with it: wait for the queues to drain
+      // (past 30 s the instances are left to the context, as a hung replay's are).
+      if (!device_.wait_queues_drained(std::chrono::seconds(30))) return;
     }
     if (s.api.cuCtxSetCurrent(s.context) != CUDA_SUCCESS) return;
     destroy();

@@ -8,7 +8,6 @@
 #include <fmt/core.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cstddef>
 #include <cstring>
 #include <mutex>
@@ -16,7 +15,6 @@
 #include <span>
 #include <string>
 #include <string_view>
-#include <thread>
 #include <vector>
 
 #include "tinydev/hcq_device.hpp"
@@ -269,15 +267,10 @@ class HCQAllocator : public LRUAllocator {
       // The work failed (a poisoned timeline). A CPU queue stops at the failure, but a GPU's
       // queue goes on past it and its kernels still touch the memory (Note [CUDA waits on failed
       // signals]): the queues drain first, within the same time.
-      const auto deadline = std::chrono::steady_clock::now() +
-                            (device_.has_timed_out() ? std::chrono::seconds(1) : std::chrono::seconds(30));
-      while (!device_.queues_drained()) {
-        if (std::chrono::steady_clock::now() >= deadline) {
-          debug_log(1, device_.name(), TINYDEV_FMT("leaking {} bytes instead of freeing them under work still "
-                                                   "queued after a failure"), bytes);
-          return false;
-        }
-        std::this_thread::sleep_for(std::chrono::microseconds(100));
+      if (!device_.wait_queues_drained(device_.has_timed_out() ? std::chrono::seconds(1) : std::chrono::seconds(30))) {
+        debug_log(1, device_.name(), TINYDEV_FMT("leaking {} bytes instead of freeing them under work still queued "
+                                                 "after a failure"), bytes);
+        return false;
       }
     }
     return true;

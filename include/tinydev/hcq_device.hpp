@@ -369,6 +369,16 @@ class HCQCompiled : public Compiled {
   // failure the timeline no longer says: a GPU's queue goes on past a failed wait (Note [CUDA
   // waits on failed signals] in backends/cuda/cuda_device.cpp).
   bool queues_drained() const { return queues_idle(); }
+  // Waits until queues_drained(), at most `timeout`; false if they did not drain by then. For what
+  // must not go while failed work may still run (a free, a module's unload).
+  bool wait_queues_drained(std::chrono::milliseconds timeout) const {
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    while (!queues_idle()) {
+      if (std::chrono::steady_clock::now() >= deadline) return false;
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
+    }
+    return true;
+  }
 
   void wrap_timeline() {
     std::lock_guard lock(submit_mutex_);

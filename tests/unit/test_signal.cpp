@@ -120,6 +120,91 @@ TEST_CASE("signal: poisoning wakes sleepers with the reason", "[signal]") {
   (void)fresh;
 }
 
+TEST_CASE("signal: a wait past the value a signal held when poisoned fails even once the value is written - one it held returns", "[signal]") {
+  // Both kinds of slot: futex-woken (host memory) and polled (memory a device writes).
+  for (const bool polled : {false, true}) {
+    INFO("polled " << polled);
+    SignalPool pool(polled ? "POLLED" : "HOST",
+                    SignalMemory{.allocate = [](std::size_t bytes) -> void* {
+                                   return ::operator new(bytes, std::align_val_t{alignof(SignalSlot)});
+                                 },
+                                 .release = [](void* memory, std::size_t) {
+                                   ::operator delete(memory, std::align_val_t{alignof(SignalSlot)});
+                                 },
+                                 .device_writes_without_wake = polled});
+    const std::uint64_t held = 5 + fresh_seed() % 100;
+    Signal s = pool.alloc(held);
+    s.poison("the producer failed");
+    s.set(held + 3);  // a queue let go past the failure writes its value later
+    CHECK_NOTHROW(s.wait(held, 10ms));
+    CHECK_THROWS_WITH(s.wait(held + 1, 10ms), Catch::Contains("poisoned") && Catch::Contains("the producer failed"));
+    CHECK_THROWS_WITH(s.wait(held + 3, 10ms), Catch::Contains("the producer failed"));
+    CHECK(poison_failed(s.slot(), held + 1));
+    CHECK_FALSE(poison_failed(s.slot(), held));
+    // A waiter sleeping when the poison and then the value come fails too.
+    Signal t = pool.alloc(0);
+    std::thread poisoner([&] {
+      std::this_thread::sleep_for(20ms);
+      t.poison("its queue failed");
+      t.set(1);
+    });
+    CHECK_THROWS_WITH(t.wait(1, 5s), Catch::Contains("its queue failed"));
+    poisoner.join();
+  }
+}
+
+namespace {
+std::atomic<int> g_hook_calls{0};
+SignalSlot* g_hook_slot = nullptr;
+void count_poison(SignalSlot& slot) noexcept {
+  g_hook_calls += 1;
+  g_hook_slot = &slot;
+}
+}  // namespace
+
+TEST_CASE("signal: a pool's on_poison hook runs once per poison after the flag - and reuses counts each time a slot is handed out", "[signal]") {
+  g_hook_calls = 0;
+  SignalPool pool("HOOKED", SignalMemory{.allocate = [](std::size_t bytes) -> void* {
+                                           return ::operator new(bytes, std::align_val_t{alignof(SignalSlot)});
+                                         },
+                                         .release = [](void* memory, std::size_t) {
+                                           ::operator delete(memory, std::align_val_t{alignof(SignalSlot)});
+                                         },
+                                         .on_poison = &count_poison});
+  Signal s = pool.alloc(0);
+  SignalSlot& slot = s.slot();
+  const std::uint32_t first = slot.reuses.load();
+  s.poison("first");
+  s.poison("second: the first reason stays, and the hook ran already");
+  CHECK(g_hook_calls.load() == 1);
+  CHECK(g_hook_slot == &slot);
+  CHECK(slot.poisoned.load() == 1);
+  CHECK(slot.poison_text() == "first");
+  // The slot handed out again: a new signal, counted; its poison calls the hook again.
+  pool.free(s);
+  Signal again = pool.alloc(0);
+  REQUIRE(&again.slot() == &slot);  // the pool reuses the last freed slot first
+  CHECK(slot.reuses.load() == first + 1);
+  CHECK(slot.poisoned.load() == 0);
+  again.poison("third");
+  CHECK(g_hook_calls.load() == 2);
+  // Under hold_reuse nothing is handed out: an alloc from another thread waits for it.
+  std::atomic<bool> allocated{false};
+  std::thread allocator;
+  {
+    const auto hold = pool.hold_reuse();
+    allocator = std::thread([&] {
+      Signal other = pool.alloc(0);
+      allocated = true;
+      (void)other;
+    });
+    std::this_thread::sleep_for(30ms);
+    CHECK_FALSE(allocated.load());
+  }
+  allocator.join();
+  CHECK(allocated.load());
+}
+
 TEST_CASE("signal: an Event past the value its timeline held when poisoned stays failed when the value comes later",
           "[signal]") {
   SignalPool pool("EVENTS");
