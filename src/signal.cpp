@@ -77,7 +77,7 @@ void wait_signal_slot(SignalSlot& slot, std::uint64_t wanted, std::chrono::nanos
   // A poisoned slot decides by the value it held when poisoned, not by what came after
   // (poison_failed); the value is read first, so one written after the poison comes with the flag.
   if (!slot.polled && detail::adaptive_spin([&] {
-        return slot.value.load(std::memory_order_acquire) >= wanted || slot.poisoned.load(std::memory_order_acquire);
+        return slot.value.load(std::memory_order_acquire) >= wanted || poison_failed(slot, wanted);
       })) {
     if (poison_failed(slot, wanted)) throw poisoned();
     return;
@@ -99,11 +99,8 @@ void wait_signal_slot(SignalSlot& slot, std::uint64_t wanted, std::chrono::nanos
     auto pause = std::chrono::microseconds(1);
     while (true) {
       const bool reached = slot.value.load(std::memory_order_acquire) >= wanted;
-      if (slot.poisoned.load(std::memory_order_acquire)) {
-        if (poison_failed(slot, wanted)) throw poisoned();
-        return;
-      }
-      if (reached) return;
+      if (poison_failed(slot, wanted)) throw poisoned();
+      if (reached) return;  // reached before the poison
       const auto now = std::chrono::steady_clock::now();
       if (now >= deadline) throw timed_out();
       if (now < spin_until) {
@@ -127,12 +124,12 @@ void wait_signal_slot(SignalSlot& slot, std::uint64_t wanted, std::chrono::nanos
       }
       ready = slot.value.load(std::memory_order_seq_cst) >= wanted;
     }
-    const bool poison = slot.poisoned.load(std::memory_order_seq_cst) != 0;
+    const bool failed = slot.poisoned.load(std::memory_order_seq_cst) != 0 && poison_failed(slot, wanted);
     const auto now = std::chrono::steady_clock::now();
-    if (ready || poison || now >= deadline) {
+    if (ready || failed || now >= deadline) {
       slot.waiters.fetch_sub(1, std::memory_order_seq_cst);
-      if (poison && poison_failed(slot, wanted)) throw poisoned();
-      if (ready || poison) return;
+      if (failed) throw poisoned();
+      if (ready) return;
       throw timed_out();
     }
     futex_wait(&slot.wake_seq, seq, std::min<std::chrono::nanoseconds>(deadline - now, std::chrono::milliseconds(100)));

@@ -53,6 +53,8 @@ class FailedWaitWatcher {
  private:
   FailedWaitWatcher();
   [[noreturn]] void run();
+  // One pass under the live-devices mutex; whether failed waits are left whose streams still run.
+  bool pass(std::uint64_t& seen, std::chrono::milliseconds& tick);
   static std::atomic<FailedWaitWatcher*> instance_;
   const pid_t pid_;
   std::mutex mutex_;
@@ -897,7 +899,9 @@ std::string CudaHCQDevice::recover(std::chrono::milliseconds timeout) {
     throw DeviceFault(fmt::format("{} cannot recover: {}. A sticky CUDA error leaves the context unusable and the "
                                   "driver cannot clear it without destroying the context; restart the process",
                                   name(), fault()));
-  return HCQCompiled::recover(timeout);
+  std::string was = HCQCompiled::recover(timeout);
+  forget_failed_gpu_waits();  // the queues drained: every wait they held passed
+  return was;
 }
 
 void CudaHCQDevice::throw_if_failed() const {
@@ -917,12 +921,19 @@ void CudaHCQDevice::throw_if_failed() const {
 // would have signalled after it; a GPU queue cannot skip its commands, but it can be let go:
 //  - Each submission that waits on a signal other than its own timeline, below the value it
 //    wants, is recorded (pending_) with the waits and the signals after its first wait, until its
-//    waits passed. A wait on a signal that failed already (poison_failed) is not issued at all:
-//    the submission stops there and poisons the signals after it, as a CPU queue does.
-//  - The CUDA signal pool's on_poison hook wakes one thread, the FailedWaitWatcher. It marks every
-//    recorded submission with a failed wait and poisons the signals it would set after that wait
-//    (its timeline among them, so the device or stream is faulted, as on the CPU), again and again
-//    until no new poison comes: the failure reaches everything downstream of it first.
+//    waits passed; so is one that waits on its timeline and then signals another signal (the
+//    timeline's value may come from work let go past a failure, and what it signals then must
+//    fail too, as behind a CPU queue's failure). What a submission never got to issue (a driver
+//    call failed, a wait failed already) is dropped from its record when it returns; a record is
+//    only dropped whole once it is fully issued. A wait on a signal that failed already
+//    (poison_failed) is not issued at all: the submission stops there and poisons the signals
+//    after it, as a CPU queue does.
+//  - The CUDA signal pool's on_poison hook wakes one thread, the FailedWaitWatcher. It finds each
+//    record's earliest failed wait and poisons the signals the submission would set after it (its
+//    timeline among them, so the device or stream is faulted, as on the CPU; an earlier wait
+//    failing later moves the failure earlier), again and again until no new poison comes: the
+//    failure reaches everything downstream of it first. Only waits at or after a record's
+//    earliest failure are let go.
 //  - Only then does it let the waits go by writing the value each failed wait wants into the
 //    slot: the GPU queue runs on, its kernels on whatever their inputs hold, and writes signals
 //    that are poisoned already, so no waiter takes them for success (poison_failed: values after
@@ -930,34 +941,53 @@ void CudaHCQDevice::throw_if_failed() const {
 //    current timeline is written only once that device's queues are idle, so the device never
 //    takes work as finished that still runs (its frees and cache reuse read that value). The
 //    watcher writes again while a let-go wait's stream has not gone idle (a late write of a lower
-//    value by another queue would otherwise catch the GPU again).
+//    value by another queue would otherwise catch the GPU again), polling every 1 to 20 ms; a
+//    failed record goes once its stream is idle or its device recovered. A signal is written or
+//    poisoned only under SignalPool::hold_reuse while its SignalSlot::reuses is unchanged: one
+//    freed and handed out again is another signal, and its record is dropped.
 // The recording happens before the submission looks at the poison flags, and the hook runs after
 // the flag is set, each with a full fence between, so either the submission sees the failure or
 // the watcher sees the record. The queues then drain, recover() works as on the CPU, and a
 // faulted device's frees wait for its queues to be idle rather than for its timeline
 // (HCQAllocator::wait_before_free). The watcher holds the live-devices mutex while it asks the
 // driver, and the exit handler marks devices released under it (Note [CUDA at exit]).
+namespace {
+// Whether a GPU wait for `value` on `slot` would pass now (GEQ as the driver compares) and has not
+// failed.
+bool wait_passes(const SignalSlot& slot, std::uint64_t value) noexcept {
+  return static_cast<std::int64_t>(slot.value.load(std::memory_order_acquire) - value) >= 0 &&
+         !poison_failed(slot, value);
+}
+}  // namespace
+
 std::uint64_t CudaHCQDevice::note_gpu_waits(CudaLane lane, std::span<const CudaCommand> commands) {
   const SignalSlot* own_timeline = timeline_slot();
   std::vector<PendingOp> ops;
-  for (const CudaCommand& c : commands) {
-    if (c.kind == CommandKind::wait && c.slot != own_timeline &&
-        (static_cast<std::int64_t>(c.slot->value.load(std::memory_order_acquire) - c.value) < 0 ||
-         poison_failed(*c.slot, c.value)))
-      ops.push_back(PendingOp{c.slot, c.value, c.slot->reuses.load(std::memory_order_acquire), true});
-    else if (c.kind == CommandKind::signal && !ops.empty())
-      ops.push_back(PendingOp{c.slot, c.value, c.slot->reuses.load(std::memory_order_acquire), false});
+  bool other_wait = false, other_signal = false;
+  for (std::size_t i = 0; i < commands.size(); ++i) {
+    const CudaCommand& c = commands[i];
+    const auto op = [&](bool is_wait) {
+      return PendingOp{c.slot, c.value, c.slot->reuses.load(std::memory_order_acquire), static_cast<std::uint32_t>(i),
+                       is_wait};
+    };
+    if (c.kind == CommandKind::wait && !wait_passes(*c.slot, c.value)) {
+      ops.push_back(op(true));
+      other_wait |= c.slot != own_timeline;
+    } else if (c.kind == CommandKind::signal && !ops.empty()) {
+      ops.push_back(op(false));
+      other_signal |= c.slot != own_timeline;
+    }
   }
-  if (ops.empty()) return 0;
+  // A wait on the timeline alone needs no letting go (this device's own earlier work writes it),
+  // but the signals after it must fail if that value comes from work let go past a failure.
+  if (!other_wait && !other_signal) return 0;
   std::uint64_t id = 0;
   {
     std::lock_guard lock(pending_mutex_);
-    // Submissions whose waits all passed can block nothing any more; a wait that failed is the
-    // watcher's to drop.
+    // Submissions whose waits all passed can block nothing any more; failed ones are the watcher's.
     const auto passed = [](const PendingSubmission& p) {
-      return !p.failed && std::ranges::all_of(p.ops, [](const PendingOp& op) {
-        return !op.is_wait || (static_cast<std::int64_t>(op.slot->value.load(std::memory_order_acquire) - op.value) >= 0 &&
-                               !poison_failed(*op.slot, op.value));
+      return p.failed_at == kNotFailed && !p.issuing && std::ranges::all_of(p.ops, [](const PendingOp& op) {
+        return !op.is_wait || op.stale() || wait_passes(*op.slot, op.value);
       });
     };
     while (!pending_.empty() && passed(pending_.front())) pending_.pop_front();
@@ -965,19 +995,26 @@ std::uint64_t CudaHCQDevice::note_gpu_waits(CudaLane lane, std::span<const CudaC
     id = ++pending_ids_;
     pending_.push_back(PendingSubmission{id, lane, std::move(ops)});
   }
-  std::atomic_thread_fence(std::memory_order_seq_cst);  // the record, then the poison flags (above)
+  std::atomic_thread_fence(std::memory_order_seq_cst);  // the record, then the poison flags (submit_commands)
   return id;
 }
 
-void CudaHCQDevice::forget_gpu_waits(std::uint64_t id) {
+void CudaHCQDevice::issued_gpu_waits(std::uint64_t id, std::size_t issued_end) noexcept {
   if (id == 0) return;
   std::lock_guard lock(pending_mutex_);
-  std::erase_if(pending_, [&](const PendingSubmission& p) { return p.id == id; });
+  const auto it = std::ranges::find_if(pending_, [&](const PendingSubmission& p) { return p.id == id; });
+  if (it == pending_.end()) return;
+  // What never reached the GPU blocks nothing and needs no letting go; what did stays recorded.
+  std::erase_if(it->ops, [&](const PendingOp& op) { return op.command >= issued_end; });
+  if (it->failed_at != kNotFailed && it->failed_at >= it->ops.size()) it->failed_at = kNotFailed;
+  it->issuing = false;
+  if (std::ranges::none_of(it->ops, &PendingOp::is_wait)) pending_.erase(it);
 }
 
 std::size_t CudaHCQDevice::fail_gpu_waits() {
   struct Poison {
     SignalSlot* slot;
+    std::uint64_t value;
     std::uint32_t reuses;
     std::string reason;
   };
@@ -987,29 +1024,33 @@ std::size_t CudaHCQDevice::fail_gpu_waits() {
     std::lock_guard lock(pending_mutex_);
     std::erase_if(pending_, [](const PendingSubmission& p) { return std::ranges::any_of(p.ops, &PendingOp::stale); });
     for (PendingSubmission& p : pending_) {
-      if (p.failed) continue;
+      // The earliest failed wait; one before the failure already seen moves the failure earlier.
       const auto failed = std::ranges::find_if(p.ops, [](const PendingOp& op) {
-        return op.is_wait && poison_failed(*op.slot, op.value);
+        return op.is_wait && !op.stale() && poison_failed(*op.slot, op.value);
       });
-      if (failed == p.ops.end()) continue;
-      p.failed = true;
+      const auto at = static_cast<std::size_t>(failed - p.ops.begin());
+      if (failed == p.ops.end() || at >= p.failed_at) continue;
+      const std::size_t poisoned_from = std::min(p.failed_at, p.ops.size());
+      p.failed_at = at;
       marked += 1;
       const std::string reason =
           fmt::format("{}: its queued work waited on the GPU for value {} of a signal that failed: {}", name(),
                       failed->value, failed->slot->poison_text());
-      for (auto op = failed + 1; op != p.ops.end(); ++op)
-        if (!op->is_wait) poisons.push_back(Poison{op->slot, op->reuses, reason});
+      for (std::size_t i = at + 1; i < poisoned_from; ++i)
+        if (!p.ops[i].is_wait) poisons.push_back(Poison{p.ops[i].slot, p.ops[i].value, p.ops[i].reuses, reason});
     }
   }
-  // Outside the pending mutex: the timeline's poison takes the lane's host-copy mutex. Timelines
-  // are never handed out again; any other signal only while it is still the one recorded.
+  // Outside the pending mutex: the timeline's poison takes the lane's host-copy mutex. Its Events
+  // not reached by then fail, those of work before the failed one too (Note [Events after a
+  // poison]: their callers may free what that work uses). Timelines are never handed out again;
+  // any other signal is poisoned only while it is the one recorded.
   for (const Poison& p : poisons) {
     if (p.slot == timeline_slot()) {
       poison_timeline(*p.slot, p.reason);
       continue;
     }
     const auto hold = signal_pool().hold_reuse();
-    if (p.slot->reuses.load(std::memory_order_acquire) == p.reuses) p.slot->poison(p.reason);
+    if (!p.slot->stale_since(p.reuses)) p.slot->poison(p.reason);
   }
   return marked;
 }
@@ -1025,17 +1066,28 @@ bool CudaHCQDevice::collect_releases(std::vector<Release>& releases) {
     // NOT_READY: work left; an error other than that: the context failed, nothing runs on.
     return s.api.cuStreamQuery(lane == CudaLane::compute ? s.compute : s.copy) != CUDA_ERROR_NOT_READY;
   };
+  // A failed submission fully issued whose stream went idle passed every wait it had.
   std::erase_if(pending_, [&](const PendingSubmission& p) {
-    return std::ranges::any_of(p.ops, &PendingOp::stale) || (p.failed && stream_idle(p.lane));
+    return std::ranges::any_of(p.ops, &PendingOp::stale) ||
+           (p.failed_at != kNotFailed && !p.issuing && stream_idle(p.lane));
   });
   bool outstanding = false;
   for (const PendingSubmission& p : pending_) {
-    if (!p.failed) continue;
+    if (p.failed_at == kNotFailed) continue;
     outstanding = true;
-    for (const PendingOp& op : p.ops)
+    // Only waits at or after the failure: the signals after those are poisoned. A wait before it
+    // that failed since is let go once the next pass moved the failure to it.
+    for (std::size_t i = p.failed_at; i < p.ops.size(); ++i) {
+      const PendingOp& op = p.ops[i];
       if (op.is_wait && poison_failed(*op.slot, op.value)) releases.push_back(Release{op.slot, op.value, op.reuses});
+    }
   }
   return outstanding;
+}
+
+void CudaHCQDevice::forget_failed_gpu_waits() noexcept {
+  std::lock_guard lock(pending_mutex_);
+  std::erase_if(pending_, [](const PendingSubmission& p) { return p.failed_at != kNotFailed && !p.issuing; });
 }
 
 std::atomic<FailedWaitWatcher*> FailedWaitWatcher::instance_{nullptr};
@@ -1073,40 +1125,48 @@ void FailedWaitWatcher::run() {
       if (outstanding) wake_.wait_for(lock, tick, fresh);
       else wake_.wait(lock, fresh);
     }
-    LiveDevices& live = live_devices();
-    std::lock_guard lock(live.mutex);
-    // Every failure first, down to the last queue it reaches: each poison it makes counts too.
-    do {
-      seen = poisons_.load(std::memory_order_seq_cst);
-      std::atomic_thread_fence(std::memory_order_seq_cst);  // the poison flags, then the records
-      for (CudaHCQDevice* device : live.devices) device->fail_gpu_waits();
-    } while (poisons_.load(std::memory_order_seq_cst) != seen);
-    // Then the waits go.
-    releases_.clear();
-    outstanding = false;
-    for (CudaHCQDevice* device : live.devices) outstanding |= device->collect_releases(releases_);
-    bool wrote = false;
-    for (const CudaHCQDevice::Release& r : releases_) {
-      const auto below = [&] { return static_cast<std::int64_t>(r.slot->value.load(std::memory_order_acquire) - r.value) < 0; };
-      if (!below()) continue;
-      const auto owner =
-          std::ranges::find_if(live.devices, [&](const CudaHCQDevice* d) { return d->timeline_slot() == r.slot; });
-      if (owner != live.devices.end()) {
-        // A device's timeline: written only once nothing of that device runs any more, so it never
-        // takes work as finished that is not (its frees and cache reuse read the value).
-        if (!(*owner)->queues_idle()) continue;
-        r.slot->store(r.value);
-        wrote = true;
-        continue;
-      }
-      // Any other signal only while it is still the one the wait was recorded with.
-      const auto hold = live.devices.front()->signal_pool().hold_reuse();
-      if (r.slot->reuses.load(std::memory_order_acquire) != r.reuses || !below()) continue;
-      r.slot->store(r.value);
-      wrote = true;
+    try {
+      outstanding = pass(seen, tick);
+    } catch (const std::exception& e) {
+      // Out of memory formatting a reason, say: the next pass tries again.
+      debug_log(1, "CUDA", "letting GPU waits on failed signals go: {}", e.what());
+      outstanding = true;
+      tick = std::chrono::milliseconds(20);
     }
-    tick = wrote ? std::chrono::milliseconds(1) : std::min(tick * 2, std::chrono::milliseconds(20));
   }
+}
+
+bool FailedWaitWatcher::pass(std::uint64_t& seen, std::chrono::milliseconds& tick) {
+  LiveDevices& live = live_devices();
+  std::lock_guard lock(live.mutex);
+  if (live.devices.empty()) return false;
+  // Every failure first, down to the last queue it reaches: each poison it makes counts too.
+  do {
+    seen = poisons_.load(std::memory_order_seq_cst);
+    std::atomic_thread_fence(std::memory_order_seq_cst);  // the poison flags, then the records
+    for (CudaHCQDevice* device : live.devices) device->fail_gpu_waits();
+  } while (poisons_.load(std::memory_order_seq_cst) != seen);
+  // Then the waits go.
+  releases_.clear();
+  bool outstanding = false;
+  for (CudaHCQDevice* device : live.devices) outstanding |= device->collect_releases(releases_);
+  bool wrote = false;
+  for (const CudaHCQDevice::Release& r : releases_) {
+    const auto below = [&] { return static_cast<std::int64_t>(r.slot->value.load(std::memory_order_acquire) - r.value) < 0; };
+    if (!below()) continue;
+    // A device's timeline is written only once nothing of that device runs any more, so it never
+    // takes work as finished that is not (its frees and cache reuse read the value).
+    const auto owner =
+        std::ranges::find_if(live.devices, [&](const CudaHCQDevice* d) { return d->timeline_slot() == r.slot; });
+    if (owner != live.devices.end() && !(*owner)->queues_idle()) continue;
+    // Any signal only while it is still the one the wait was recorded with.
+    const auto hold = live.devices.front()->signal_pool().hold_reuse();
+    if (r.slot->stale_since(r.reuses) || !below()) continue;
+    r.slot->store(r.value);
+    wrote = true;
+  }
+  tick = wrote ? std::chrono::milliseconds(1) : std::min(tick * 2, std::chrono::milliseconds(20));
+  return outstanding;
 }
 
 void CudaHCQDevice::check_health() const {
@@ -1134,13 +1194,19 @@ void CudaHCQDevice::submit_commands(CudaLane lane, std::span<const CudaCommand> 
   std::array<CUstreamBatchMemOpParams, 64> batch;
   unsigned batched = 0;
   std::size_t i = 0, batch_first = 0;  // the command being issued; the first one in `batch`
-  // Note [CUDA waits on failed signals]: recorded before any poison flag is looked at.
-  const std::uint64_t pending_id = note_gpu_waits(lane, commands);
+  // Note [CUDA waits on failed signals]: recorded before any poison flag is looked at; how much
+  // reached the GPU is told when this returns or throws.
+  struct Issued {
+    CudaHCQDevice& device;
+    std::uint64_t id;
+    std::size_t end;
+    ~Issued() { device.issued_gpu_waits(id, end); }
+  } issued{*this, note_gpu_waits(lane, commands), commands.size()};
   // `from`: the first command the failed call issued (a batch's first, else the current one).
   const auto issue = [&](CUresult r, std::string_view what, std::size_t from) {
     if (r == CUDA_SUCCESS) [[likely]]
       return;
-    forget_gpu_waits(pending_id);  // what it waits on was not all issued: nothing to let go
+    issued.end = from;  // from `from` on, nothing reached the GPU
     const std::string reason = fmt::format("{}: {} failed (command {} of a {} queue): {}", name(), what, from,
                                            lane == CudaLane::compute ? "compute" : "copy", describe(r));
     if (sticky(r)) {
@@ -1167,11 +1233,11 @@ void CudaHCQDevice::submit_commands(CudaLane lane, std::span<const CudaCommand> 
       case CommandKind::signal:
       case CommandKind::wait: {
         const auto address = reinterpret_cast<CUdeviceptr>(&c.slot->value);  // Note [CUDA signal memory]
-        if (c.kind == CommandKind::wait && pending_id != 0 && poison_failed(*c.slot, c.value)) {
+        if (c.kind == CommandKind::wait && issued.id != 0 && poison_failed(*c.slot, c.value)) {
           // A wait that failed already is not issued: the queue stops here, as a CPU queue does,
           // and what it would signal after the wait never comes.
           flush();
-          forget_gpu_waits(pending_id);
+          issued.end = i;
           const std::string reason = fmt::format("{}: its queue waits for value {} of a signal that failed: {}", name(),
                                                  c.value, c.slot->poison_text());
           for (std::size_t j = i + 1; j < commands.size(); ++j)

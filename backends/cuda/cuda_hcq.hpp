@@ -321,36 +321,44 @@ class CudaHCQDevice final : public HCQCompiled<CudaComputeQueue, CudaCopyQueue> 
   bool queues_idle() const override;
   int launch_timestamp(SignalSlot* slot, void* stream);  // the CUresult of the timestamp kernel's launch
   // Note [CUDA waits on failed signals] (cuda_device.cpp): the submissions of this device whose
-  // GPU waits on other signals have not all passed, with what each signals after them.
+  // GPU waits have not all passed, with what each signals after them.
   friend class FailedWaitWatcher;
   struct PendingOp {
     SignalSlot* slot;
     std::uint64_t value;
     std::uint32_t reuses;  // the slot's SignalSlot::reuses then: a slot handed out again is not touched
+    std::uint32_t command;  // its index in the submission
     bool is_wait;
     // The signal was freed and handed out again since: the record says nothing about it any more.
-    bool stale() const noexcept { return slot->reuses.load(std::memory_order_acquire) != reuses; }
+    bool stale() const noexcept { return slot->stale_since(reuses); }
+  };
+  static constexpr std::size_t kNotFailed = ~std::size_t{0};
+  struct PendingSubmission {
+    std::uint64_t id;
+    CudaLane lane;
+    // Its waits not reached when submitted, and the signals after the first of them, in order.
+    std::vector<PendingOp> ops;
+    bool issuing = true;  // submit_commands has not finished issuing it
+    std::size_t failed_at = kNotFailed;  // the earliest failed wait in ops: the signals after it are poisoned
   };
   struct Release {  // a failed wait to let go: `slot` gets `value`
     SignalSlot* slot;
     std::uint64_t value;
     std::uint32_t reuses;
   };
-  struct PendingSubmission {
-    std::uint64_t id;
-    CudaLane lane;
-    std::vector<PendingOp> ops;  // its waits on other signals and the signals after the first, in order
-    bool failed = false;  // a wait failed: the signals after it are poisoned, the watcher lets it go
-  };
-  // Records `commands` if they wait on a signal that has not reached the value (not this device's
-  // timeline); returns its id (0: nothing recorded).
+  // Records `commands` if they wait on another signal that has not reached the value, or wait on
+  // the timeline and then signal another signal; returns its id (0: nothing recorded).
   std::uint64_t note_gpu_waits(CudaLane lane, std::span<const CudaCommand> commands);
-  void forget_gpu_waits(std::uint64_t id);
+  // The submission is issued up to (not including) command `issued_end`: what came after never
+  // reached the GPU.
+  void issued_gpu_waits(std::uint64_t id, std::size_t issued_end) noexcept;
   // The watcher's side: marks the submissions with a failed wait and poisons what they signal
   // after it (returns how many it marked); appends the waits of marked submissions that still need
   // their signal written, dropping the marked ones whose stream went idle (the driver is asked).
   std::size_t fail_gpu_waits();
   bool collect_releases(std::vector<Release>& releases);
+  // After recover(): the queues drained, so the failed submissions' waits all passed.
+  void forget_failed_gpu_waits() noexcept;
   mutable std::mutex pending_mutex_;
   std::deque<PendingSubmission> pending_;
   std::uint64_t pending_ids_ = 0;

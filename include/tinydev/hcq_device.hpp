@@ -374,7 +374,10 @@ class HCQCompiled : public Compiled {
   bool wait_queues_drained(std::chrono::milliseconds timeout) const {
     const auto deadline = std::chrono::steady_clock::now() + timeout;
     while (!queues_idle()) {
-      if (std::chrono::steady_clock::now() >= deadline) return false;
+      if (std::chrono::steady_clock::now() >= deadline) {
+        timed_out_.store(true, std::memory_order_relaxed);  // later waits that guard a free are kept short
+        return false;
+      }
       std::this_thread::sleep_for(std::chrono::microseconds(100));
     }
     return true;

@@ -69,6 +69,9 @@ struct alignas(64) SignalSlot {
   void store(std::uint64_t v) noexcept;
   // Marks a device-side failure and wakes every waiter, who then throw an Error with `reason`.
   void poison(std::string_view reason) noexcept;
+  // Whether the slot was handed out again since its `reuses` was `seen` (read under
+  // SignalPool::hold_reuse to act on it).
+  bool stale_since(std::uint32_t seen) const noexcept { return reuses.load(std::memory_order_acquire) != seen; }
   // The reason the first poisoner wrote ("" if none).
   std::string poison_text() const;
   // Takes the poison away (a device recovering from a fault, when nothing can touch the slot).
@@ -252,7 +255,7 @@ bool adaptive_spin(Ready&& ready) {
 // by at most about 128 us plus the kernel's timer slack, and the CPU is free meanwhile.
 
 // Waits for slot->value >= wanted (spin, then futex sleep, or polling for polled slots); an Error
-// once the slot is poisoned, unless it held `wanted` already when it was (poison_failed).
+// once the slot is poisoned for `wanted` (poison_failed), even if the value comes afterwards.
 // `handle_for_errors` names the signal in errors. Used by Signal::wait and by device queues that
 // wait on the host side.
 void wait_signal_slot(SignalSlot& slot, std::uint64_t wanted, std::chrono::nanoseconds timeout,

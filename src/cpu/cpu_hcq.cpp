@@ -179,6 +179,8 @@ std::size_t execute_commands(const std::vector<CpuCommand>& commands, std::size_
           c.signal->store(c.value);
           break;
         case CommandKind::wait:
+          // A value written after a poison is no success (poison_failed): fail as the wait would.
+          if (poison_failed(*c.signal, c.value)) wait_signal_slot(*c.signal, c.value, std::chrono::nanoseconds(0), nullptr);
           if (!blocking && c.signal->value.load(std::memory_order_acquire) < c.value &&
               !c.signal->poisoned.load(std::memory_order_acquire))
             return i;

@@ -1803,6 +1803,61 @@ TEST_CASE("cuda fake: a failed signal fails every GPU queue downstream of it on 
   }
 }
 
+TEST_CASE("cuda fake: a queue's earlier wait failing after a later one failed poisons what came between before it is let go", "[cuda][fake]") {
+  auto* dev = fake_hcq();
+  if (!dev) return;
+  for (int round = 0; round < 10; ++round) {
+    INFO("round " << round);
+    Signal first = dev->alloc_signal(0), between = dev->alloc_signal(0), second = dev->alloc_signal(0),
+           last = dev->alloc_signal(0);
+    dev->compute_queue().wait(first, 1).signal(between, 1).wait(second, 1).signal(last, 1).submit(*dev);
+    second.poison("the second producer failed");
+    CHECK_THROWS_WITH(last.wait(1, std::chrono::seconds(5)), Catch::Contains("the second producer failed"));
+    // Let go past `second`, the queue still waits for `first`; then that fails too.
+    std::this_thread::sleep_for(std::chrono::milliseconds(round % 3));
+    first.poison("the first producer failed");
+    CHECK_THROWS_WITH(between.wait(1, std::chrono::seconds(5)), Catch::Contains("the first producer failed"));
+    Signal after = dev->alloc_signal(0);
+    dev->compute_queue().signal(after, 1).submit(*dev);
+    after.wait(1, std::chrono::seconds(5));  // let go: the stream drained
+    CHECK_THROWS_AS(between.wait(1, std::chrono::milliseconds(10)), Error);  // written since, still failed
+    for (const Signal& s : {first, between, second, last, after}) dev->free_signal(s);
+  }
+}
+
+TEST_CASE("cuda fake: a queue behind a failed one on the timeline fails the signals it sets too", "[cuda][fake]") {
+  auto* dev = fake_hcq();
+  if (!dev) return;
+  Signal gate = dev->alloc_signal(0), mine = dev->alloc_signal(0);
+  {
+    // The first waits on the GPU for `gate`; the second only for the first's timeline value, then
+    // signals a signal of the user's.
+    auto first = dev->reserve_timeline_value();
+    dev->compute_queue()
+        .wait(dev->timeline_signal(), first.value() - 1)
+        .wait(gate, 1)
+        .signal(dev->timeline_signal(), first.value())
+        .submit(*dev);
+    first.submitted();
+    auto second = dev->reserve_timeline_value();
+    dev->compute_queue()
+        .wait(dev->timeline_signal(), second.value() - 1)
+        .signal(mine, 7)
+        .signal(dev->timeline_signal(), second.value())
+        .submit(*dev);
+    second.submitted();
+  }
+  gate.poison("the gate's producer failed");
+  // The first is let go and writes its timeline value; the second then runs, but what it signals
+  // is not success: it came after a failure, as on the CPU.
+  CHECK_THROWS_WITH(mine.wait(7, std::chrono::seconds(5)), Catch::Contains("the gate's producer failed"));
+  CHECK_THAT(dev->recover(std::chrono::seconds(5)), Catch::Contains("the gate's producer failed"));
+  CHECK(mine.value() == 7);  // the GPU wrote it, after its poison
+  CHECK_THROWS_AS(mine.wait(7, std::chrono::milliseconds(10)), Error);
+  dev->free_signal(gate);
+  dev->free_signal(mine);
+}
+
 TEST_CASE("cuda fake: a queue whose wait failed before it was submitted issues nothing past that wait", "[cuda][fake]") {
   auto* dev = fake_hcq();
   if (!dev) return;
