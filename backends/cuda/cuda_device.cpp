@@ -899,8 +899,10 @@ std::string CudaHCQDevice::recover(std::chrono::milliseconds timeout) {
     throw DeviceFault(fmt::format("{} cannot recover: {}. A sticky CUDA error leaves the context unusable and the "
                                   "driver cannot clear it without destroying the context; restart the process",
                                   name(), fault()));
+  // Under the submit mutex throughout, so no submission comes between the drain and the forget.
+  std::lock_guard lock(submit_mutex());
   std::string was = HCQCompiled::recover(timeout);
-  forget_failed_gpu_waits();  // the queues drained: every wait they held passed
+  if (!was.empty()) forget_failed_gpu_waits();  // the queues drained: every wait they held passed
   return was;
 }
 
@@ -1011,33 +1013,45 @@ void CudaHCQDevice::issued_gpu_waits(std::uint64_t id, std::size_t issued_end) n
   if (std::ranges::none_of(it->ops, &PendingOp::is_wait)) pending_.erase(it);
 }
 
+// Drops the ops whose signal was freed and handed out again (the record says nothing about another
+// signal) and keeps failed_at on the same place; whether the record still waits on anything (a
+// record being issued is kept either way).
+bool CudaHCQDevice::drop_stale_ops(PendingSubmission& p) noexcept {
+  std::size_t kept = 0, failed_at = kNotFailed;
+  for (std::size_t i = 0; i < p.ops.size(); ++i) {
+    if (i == p.failed_at) failed_at = kept;
+    if (!p.ops[i].stale()) p.ops[kept++] = p.ops[i];
+  }
+  if (p.failed_at != kNotFailed && failed_at == kNotFailed) failed_at = kept;
+  p.ops.resize(kept);
+  p.failed_at = failed_at;
+  return p.issuing || std::ranges::any_of(p.ops, &PendingOp::is_wait);
+}
+
 std::size_t CudaHCQDevice::fail_gpu_waits() {
   struct Poison {
     SignalSlot* slot;
-    std::uint64_t value;
     std::uint32_t reuses;
     std::string reason;
   };
   std::vector<Poison> poisons;
-  std::size_t marked = 0;
+  std::vector<std::pair<std::uint64_t, std::size_t>> failures;  // record id, its earliest failed wait
   {
     std::lock_guard lock(pending_mutex_);
-    std::erase_if(pending_, [](const PendingSubmission& p) { return std::ranges::any_of(p.ops, &PendingOp::stale); });
-    for (PendingSubmission& p : pending_) {
+    std::erase_if(pending_, [](PendingSubmission& p) { return !drop_stale_ops(p); });
+    for (const PendingSubmission& p : pending_) {
       // The earliest failed wait; one before the failure already seen moves the failure earlier.
       const auto failed = std::ranges::find_if(p.ops, [](const PendingOp& op) {
-        return op.is_wait && !op.stale() && poison_failed(*op.slot, op.value);
+        return op.is_wait && poison_failed(*op.slot, op.value);
       });
       const auto at = static_cast<std::size_t>(failed - p.ops.begin());
       if (failed == p.ops.end() || at >= p.failed_at) continue;
-      const std::size_t poisoned_from = std::min(p.failed_at, p.ops.size());
-      p.failed_at = at;
-      marked += 1;
       const std::string reason =
           fmt::format("{}: its queued work waited on the GPU for value {} of a signal that failed: {}", name(),
                       failed->value, failed->slot->poison_text());
-      for (std::size_t i = at + 1; i < poisoned_from; ++i)
-        if (!p.ops[i].is_wait) poisons.push_back(Poison{p.ops[i].slot, p.ops[i].value, p.ops[i].reuses, reason});
+      for (std::size_t i = at + 1; i < std::min(p.failed_at, p.ops.size()); ++i)
+        if (!p.ops[i].is_wait) poisons.push_back(Poison{p.ops[i].slot, p.ops[i].reuses, reason});
+      failures.emplace_back(p.id, at);
     }
   }
   // Outside the pending mutex: the timeline's poison takes the lane's host-copy mutex. Its Events
@@ -1052,7 +1066,13 @@ std::size_t CudaHCQDevice::fail_gpu_waits() {
     const auto hold = signal_pool().hold_reuse();
     if (!p.slot->stale_since(p.reuses)) p.slot->poison(p.reason);
   }
-  return marked;
+  // Only now, with every poison made, may collect_releases let these waits go (a throw above
+  // leaves the records as they were, for the next pass).
+  std::lock_guard lock(pending_mutex_);
+  for (const auto& [id, at] : failures)
+    for (PendingSubmission& p : pending_)
+      if (p.id == id) p.failed_at = std::min(p.failed_at, at);
+  return failures.size();
 }
 
 bool CudaHCQDevice::collect_releases(std::vector<Release>& releases) {
@@ -1067,14 +1087,14 @@ bool CudaHCQDevice::collect_releases(std::vector<Release>& releases) {
     return s.api.cuStreamQuery(lane == CudaLane::compute ? s.compute : s.copy) != CUDA_ERROR_NOT_READY;
   };
   // A failed submission fully issued whose stream went idle passed every wait it had.
-  std::erase_if(pending_, [&](const PendingSubmission& p) {
-    return std::ranges::any_of(p.ops, &PendingOp::stale) ||
-           (p.failed_at != kNotFailed && !p.issuing && stream_idle(p.lane));
+  std::erase_if(pending_, [&](PendingSubmission& p) {
+    return !drop_stale_ops(p) || (p.failed_at != kNotFailed && !p.issuing && stream_idle(p.lane));
   });
   bool outstanding = false;
   for (const PendingSubmission& p : pending_) {
     if (p.failed_at == kNotFailed) continue;
     outstanding = true;
+    if (p.issuing) continue;  // what reached the GPU is known once it returns (the next pass)
     // Only waits at or after the failure: the signals after those are poisoned. A wait before it
     // that failed since is let go once the next pass moved the failure to it.
     for (std::size_t i = p.failed_at; i < p.ops.size(); ++i) {
@@ -1199,14 +1219,24 @@ void CudaHCQDevice::submit_commands(CudaLane lane, std::span<const CudaCommand> 
   struct Issued {
     CudaHCQDevice& device;
     std::uint64_t id;
-    std::size_t end;
-    ~Issued() { device.issued_gpu_waits(id, end); }
-  } issued{*this, note_gpu_waits(lane, commands), commands.size()};
+    std::size_t end;  // set where issuing stops early
+    const std::size_t& current;  // the command being issued, the first batched one, how many are
+    const std::size_t& first_batched;
+    const unsigned& batched;
+    const int exceptions = std::uncaught_exceptions();
+    bool stopped = false;
+    ~Issued() {
+      // Thrown out of the loop other than by issue(): nothing from the batch or the current command on went.
+      if (!stopped && std::uncaught_exceptions() > exceptions) end = batched ? first_batched : current;
+      device.issued_gpu_waits(id, end);
+    }
+  } issued{*this, note_gpu_waits(lane, commands), commands.size(), i, batch_first, batched};
   // `from`: the first command the failed call issued (a batch's first, else the current one).
   const auto issue = [&](CUresult r, std::string_view what, std::size_t from) {
     if (r == CUDA_SUCCESS) [[likely]]
       return;
     issued.end = from;  // from `from` on, nothing reached the GPU
+    issued.stopped = true;
     const std::string reason = fmt::format("{}: {} failed (command {} of a {} queue): {}", name(), what, from,
                                            lane == CudaLane::compute ? "compute" : "copy", describe(r));
     if (sticky(r)) {
@@ -1238,6 +1268,7 @@ void CudaHCQDevice::submit_commands(CudaLane lane, std::span<const CudaCommand> 
           // and what it would signal after the wait never comes.
           flush();
           issued.end = i;
+          issued.stopped = true;
           const std::string reason = fmt::format("{}: its queue waits for value {} of a signal that failed: {}", name(),
                                                  c.value, c.slot->poison_text());
           for (std::size_t j = i + 1; j < commands.size(); ++j)

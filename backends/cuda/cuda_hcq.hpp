@@ -357,6 +357,9 @@ class CudaHCQDevice final : public HCQCompiled<CudaComputeQueue, CudaCopyQueue> 
   // their signal written, dropping the marked ones whose stream went idle (the driver is asked).
   std::size_t fail_gpu_waits();
   bool collect_releases(std::vector<Release>& releases);
+  // Drops the ops whose signal was handed out again, keeping failed_at in place; whether the
+  // record is still needed (it waits on something, or is being issued).
+  static bool drop_stale_ops(PendingSubmission& p) noexcept;
   // After recover(): the queues drained, so the failed submissions' waits all passed.
   void forget_failed_gpu_waits() noexcept;
   mutable std::mutex pending_mutex_;
