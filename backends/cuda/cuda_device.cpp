@@ -954,11 +954,13 @@ void CudaHCQDevice::throw_if_failed() const {
 // (HCQAllocator::wait_before_free). The watcher holds the live-devices mutex while it asks the
 // driver, and the exit handler marks devices released under it (Note [CUDA at exit]).
 namespace {
-// Whether a GPU wait for `value` on `slot` would pass now (GEQ as the driver compares) and has not
-// failed.
+// Whether `slot` holds `value` by the GEQ a GPU wait uses: (int64_t)(*addr - value) >= 0.
+bool gpu_reached(const SignalSlot& slot, std::uint64_t value) noexcept {
+  return static_cast<std::int64_t>(slot.value.load(std::memory_order_acquire) - value) >= 0;
+}
+// Whether a GPU wait for `value` on `slot` would pass now and has not failed.
 bool wait_passes(const SignalSlot& slot, std::uint64_t value) noexcept {
-  return static_cast<std::int64_t>(slot.value.load(std::memory_order_acquire) - value) >= 0 &&
-         !poison_failed(slot, value);
+  return gpu_reached(slot, value) && !poison_failed(slot, value);
 }
 }  // namespace
 
@@ -1028,7 +1030,7 @@ bool CudaHCQDevice::drop_stale_ops(PendingSubmission& p) noexcept {
   return p.issuing || std::ranges::any_of(p.ops, &PendingOp::is_wait);
 }
 
-std::size_t CudaHCQDevice::fail_gpu_waits() {
+void CudaHCQDevice::fail_gpu_waits() {
   struct Poison {
     SignalSlot* slot;
     std::uint32_t reuses;
@@ -1072,7 +1074,6 @@ std::size_t CudaHCQDevice::fail_gpu_waits() {
   for (const auto& [id, at] : failures)
     for (PendingSubmission& p : pending_)
       if (p.id == id) p.failed_at = std::min(p.failed_at, at);
-  return failures.size();
 }
 
 bool CudaHCQDevice::collect_releases(std::vector<Release>& releases) {
@@ -1172,8 +1173,7 @@ bool FailedWaitWatcher::pass(std::uint64_t& seen, std::chrono::milliseconds& tic
   for (CudaHCQDevice* device : live.devices) outstanding |= device->collect_releases(releases_);
   bool wrote = false;
   for (const CudaHCQDevice::Release& r : releases_) {
-    const auto below = [&] { return static_cast<std::int64_t>(r.slot->value.load(std::memory_order_acquire) - r.value) < 0; };
-    if (!below()) continue;
+    if (gpu_reached(*r.slot, r.value)) continue;
     // A device's timeline is written only once nothing of that device runs any more, so it never
     // takes work as finished that is not (its frees and cache reuse read the value).
     const auto owner =
@@ -1181,7 +1181,7 @@ bool FailedWaitWatcher::pass(std::uint64_t& seen, std::chrono::milliseconds& tic
     if (owner != live.devices.end() && !(*owner)->queues_idle()) continue;
     // Any signal only while it is still the one the wait was recorded with.
     const auto hold = live.devices.front()->signal_pool().hold_reuse();
-    if (r.slot->stale_since(r.reuses) || !below()) continue;
+    if (r.slot->stale_since(r.reuses) || gpu_reached(*r.slot, r.value)) continue;
     r.slot->store(r.value);
     wrote = true;
   }
@@ -1225,27 +1225,34 @@ void CudaHCQDevice::submit_commands(CudaLane lane, std::span<const CudaCommand> 
     const unsigned& batched;
     const int exceptions = std::uncaught_exceptions();
     bool stopped = false;
+    void stop_at(std::size_t command) noexcept {
+      end = command;
+      stopped = true;
+    }
     ~Issued() {
       // Thrown out of the loop other than by issue(): nothing from the batch or the current command on went.
       if (!stopped && std::uncaught_exceptions() > exceptions) end = batched ? first_batched : current;
       device.issued_gpu_waits(id, end);
     }
   } issued{*this, note_gpu_waits(lane, commands), commands.size(), i, batch_first, batched};
+  // What the queue would still have signalled from command `from` on never comes (Note [CUDA
+  // failures]).
+  const auto poison_from = [&](std::size_t from, std::string_view reason) {
+    for (std::size_t j = from; j < commands.size(); ++j)
+      if (commands[j].kind == CommandKind::signal) poison_timeline(*commands[j].slot, reason);
+  };
   // `from`: the first command the failed call issued (a batch's first, else the current one).
   const auto issue = [&](CUresult r, std::string_view what, std::size_t from) {
     if (r == CUDA_SUCCESS) [[likely]]
       return;
-    issued.end = from;  // from `from` on, nothing reached the GPU
-    issued.stopped = true;
+    issued.stop_at(from);  // from `from` on, nothing reached the GPU
     const std::string reason = fmt::format("{}: {} failed (command {} of a {} queue): {}", name(), what, from,
                                            lane == CudaLane::compute ? "compute" : "copy", describe(r));
     if (sticky(r)) {
       context_failed_.store(true, std::memory_order_release);
       poison_own_timeline(reason);
     }
-    // Note [CUDA failures]: what this queue would still have signalled never comes.
-    for (std::size_t j = from; j < commands.size(); ++j)
-      if (commands[j].kind == CommandKind::signal) poison_timeline(*commands[j].slot, reason);
+    poison_from(from, reason);
     if (r == CUDA_ERROR_OUT_OF_MEMORY) throw OutOfMemory(reason);
     throw Error(reason);
   };
@@ -1267,12 +1274,9 @@ void CudaHCQDevice::submit_commands(CudaLane lane, std::span<const CudaCommand> 
           // A wait that failed already is not issued: the queue stops here, as a CPU queue does,
           // and what it would signal after the wait never comes.
           flush();
-          issued.end = i;
-          issued.stopped = true;
-          const std::string reason = fmt::format("{}: its queue waits for value {} of a signal that failed: {}", name(),
-                                                 c.value, c.slot->poison_text());
-          for (std::size_t j = i + 1; j < commands.size(); ++j)
-            if (commands[j].kind == CommandKind::signal) poison_timeline(*commands[j].slot, reason);
+          issued.stop_at(i);
+          poison_from(i + 1, fmt::format("{}: its queue waits for value {} of a signal that failed: {}", name(), c.value,
+                                         c.slot->poison_text()));
           return;
         }
         if (!s.memops) {

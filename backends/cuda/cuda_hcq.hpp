@@ -353,9 +353,9 @@ class CudaHCQDevice final : public HCQCompiled<CudaComputeQueue, CudaCopyQueue> 
   // reached the GPU.
   void issued_gpu_waits(std::uint64_t id, std::size_t issued_end) noexcept;
   // The watcher's side: marks the submissions with a failed wait and poisons what they signal
-  // after it (returns how many it marked); appends the waits of marked submissions that still need
-  // their signal written, dropping the marked ones whose stream went idle (the driver is asked).
-  std::size_t fail_gpu_waits();
+  // after it; appends the waits of marked submissions that still need their signal written,
+  // dropping the marked ones whose stream went idle (the driver is asked).
+  void fail_gpu_waits();
   bool collect_releases(std::vector<Release>& releases);
   // Drops the ops whose signal was handed out again, keeping failed_at in place; whether the
   // record is still needed (it waits on something, or is being issued).

@@ -365,12 +365,11 @@ class HCQCompiled : public Compiled {
     return timeline_slot_.load(std::memory_order_acquire)->value.load(std::memory_order_acquire) + 1 >= timeline_value();
   }
 
-  // Whether the queues hold no work at all, finished or failed (recover() drains them). After a
-  // failure the timeline no longer says: a GPU's queue goes on past a failed wait (Note [CUDA
-  // waits on failed signals] in backends/cuda/cuda_device.cpp).
-  bool queues_drained() const { return queues_idle(); }
-  // Waits until queues_drained(), at most `timeout`; false if they did not drain by then. For what
-  // must not go while failed work may still run (a free, a module's unload).
+  // Waits until the queues hold no work at all, finished or failed (queues_idle), at most
+  // `timeout`; false if they did not drain by then. For what must not go while failed work may
+  // still run (a free, a module's unload): after a failure the timeline no longer says, since a
+  // GPU's queue goes on past a failed wait (Note [CUDA waits on failed signals] in
+  // backends/cuda/cuda_device.cpp).
   bool wait_queues_drained(std::chrono::milliseconds timeout) const {
     const auto deadline = std::chrono::steady_clock::now() + timeout;
     while (!queues_idle()) {
