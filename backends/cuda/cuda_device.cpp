@@ -454,7 +454,12 @@ CudaProgram::~CudaProgram() {
       }
     }
   }
-  if (s.api.cuCtxSetCurrent(s.context) == CUDA_SUCCESS) s.api.cuModuleUnload(static_cast<CUmodule>(module_));
+  try {
+    // Not under another stream's wait on the GPU (Note [CUDA implicit synchronization]).
+    device_.release_when_unblocked(CudaHCQDevice::DriverRelease::module, reinterpret_cast<std::uintptr_t>(module_), 0);
+  } catch (const std::exception& e) {
+    debug_log(1, device_.name(), "unloading '{}' failed: {}", name(), e.what());
+  }
 }
 
 namespace {
@@ -468,8 +473,10 @@ RetiredPrograms& retired_programs() {
   return *retired;
 }
 bool reached(const std::vector<std::pair<const CudaHCQDevice*, std::uint64_t>>& marks) {
+  // An idle device finished everything (a waited direct call's mark is the value after the one
+  // it waited for, which no work may ever signal).
   for (const auto& [device, value] : marks)
-    if (device->timeline_slot()->value.load(std::memory_order_acquire) < value) return false;
+    if (device->timeline_slot()->value.load(std::memory_order_acquire) < value && !device->idle()) return false;
   return true;
 }
 }  // namespace
@@ -572,7 +579,7 @@ class CudaRuntime final : public Runtime {
     CUfunction function = nullptr;
     const std::string name(kernel_name);
     if (const CUresult r = s.api.cuModuleGetFunction(&function, module, name.c_str()); r != CUDA_SUCCESS) {
-      s.api.cuModuleUnload(module);
+      unload(module);
       throw InvalidArgument(fmt::format("{}: kernel '{}' is not in the compiled module ({}): check the kernel name, "
                                         "and that it is declared extern \"C\"",
                                         s.name, quote_for_message(kernel_name), describe(r)));
@@ -581,13 +588,20 @@ class CudaRuntime final : public Runtime {
     try {
       signature = signature_of(function, name);
     } catch (...) {
-      s.api.cuModuleUnload(module);
+      unload(module);
       throw;
     }
     return CudaProgram::make(name, device_, module, function, signature);
   }
 
  private:
+  // A module loaded in vain goes as a program's does (Note [CUDA implicit synchronization]).
+  void unload(CUmodule module) noexcept {
+    try {
+      device_.release_when_unblocked(CudaHCQDevice::DriverRelease::module, reinterpret_cast<std::uintptr_t>(module), 0);
+    } catch (const std::exception&) {
+    }
+  }
   // The kernel's signature from the driver (Note [CUDA kernel signatures]): nullopt where the
   // driver cannot tell; InvalidArgument for a parameter list no launch of tinydev can pass.
   std::optional<KernelSignature> signature_of(CUfunction function, const std::string& name) const {
@@ -715,7 +729,21 @@ Allocation CudaAllocator::alloc_impl(std::size_t size, const BufferOptions& opti
     return Allocation{reinterpret_cast<std::uintptr_t>(p), size, pinned_tag()};
   }
   CUdeviceptr p = 0;
-  check(s.api.cuMemAlloc(&p, size), fmt::format("cuMemAlloc of {} bytes", size), s.name);
+  CUresult r = s.api.cuMemAlloc(&p, size);
+  // Memory whose free was deferred (Note [CUDA implicit synchronization]) goes first, if it can.
+  if (r == CUDA_ERROR_OUT_OF_MEMORY && device_.release_deferred() > 0) {
+    s.make_current();
+    r = s.api.cuMemAlloc(&p, size);
+  }
+  if (r == CUDA_ERROR_OUT_OF_MEMORY) {
+    if (const std::size_t deferred = device_.deferred_device_bytes(); deferred > 0)
+      throw OutOfMemory(fmt::format("{}: cuMemAlloc of {} bytes failed: {}; {} bytes freed earlier are not given back "
+                                    "to the driver while a stream of the GPU waits on the GPU for a signal (Note [CUDA "
+                                    "implicit synchronization]): set the signals those streams wait for, or "
+                                    "synchronize",
+                                    s.name, size, cuda::describe(r), deferred));
+  }
+  check(r, fmt::format("cuMemAlloc of {} bytes", size), s.name);
   return Allocation{static_cast<std::uintptr_t>(p), size, nullptr};
 }
 
@@ -725,9 +753,10 @@ void CudaAllocator::free_impl(Allocation allocation, std::size_t size, const Buf
   // Queued work may still use the memory (the seed's allocators synchronize too); a hung kernel's
   // memory, or a forked child's view of the parent's, is leaked instead.
   if (!wait_before_free(size)) return;
-  s.make_current();
-  if (options.host) check(s.api.cuMemFreeHost(allocation.host_ptr()), "cuMemFreeHost", s.name);
-  else check(s.api.cuMemFree(static_cast<CUdeviceptr>(allocation.va_addr)), "cuMemFree", s.name);
+  // Another stream's wait on the GPU must not hold the free (Note [CUDA implicit synchronization]).
+  device_.release_when_unblocked(
+      options.host ? CudaHCQDevice::DriverRelease::host_memory : CudaHCQDevice::DriverRelease::device_memory,
+      allocation.va_addr, size);
 }
 
 // ---- the device -------------------------------------------------------------------------------
@@ -963,6 +992,100 @@ bool wait_passes(const SignalSlot& slot, std::uint64_t value) noexcept {
   return gpu_reached(slot, value) && !poison_failed(slot, value);
 }
 }  // namespace
+
+// Note [CUDA implicit synchronization]
+// cuMemFree, cuMemFreeHost and cuModuleUnload "may perform implicit synchronization": the driver
+// first waits for every stream of the context. A stream held by a GPU wait on a signal set later
+// (a user's signal, an Event the host or another device sets) then holds the freeing thread, for
+// ever if that thread is the one to set it; on the CPU devices a free waits for its own device's
+// queues only (the seed's _free) and an unload for nothing. So while any stream of the context
+// (the device's or a stream lane's) holds a GPU wait that has not passed (the records of Note
+// [CUDA waits on failed signals]), such a release is deferred: listed on the context's device
+// and made by the next release, refused allocation or synchronize that finds no such wait. Work
+// that only runs kernels and copies finishes by itself, so a release behind it is made at once
+// (the driver's wait is then short). Device memory deferred is not counted in use by the
+// allocator but the driver still holds it: a refused allocation releases what it can and retries,
+// and its OutOfMemory says how much is still deferred. Left: a submission from another thread
+// between the check and the driver call can still hold that one release (the window of one driver
+// call); and at exit the context takes what is still deferred along.
+bool CudaHCQDevice::holds_unpassed_gpu_waits() const {
+  std::lock_guard lock(pending_mutex_);
+  return std::ranges::any_of(pending_, [](const PendingSubmission& p) {
+    return std::ranges::any_of(
+        p.ops, [](const PendingOp& op) { return op.is_wait && !op.stale() && !gpu_reached(*op.slot, op.value); });
+  });
+}
+
+bool CudaHCQDevice::context_holds_gpu_waits() {
+  CudaHCQDevice& root = context_device();
+  bool held = root.holds_unpassed_gpu_waits();
+  if (!held) root.for_each_lane([&](const CudaHCQDevice& lane) { held = held || lane.holds_unpassed_gpu_waits(); });
+  return held;
+}
+
+void CudaHCQDevice::release_now(const DeferredRelease& release) const {
+  const DeviceState& s = *state_;
+  s.make_current();
+  switch (release.kind) {
+    case DriverRelease::device_memory:
+      check(s.api.cuMemFree(static_cast<CUdeviceptr>(release.handle)), "cuMemFree", s.name);
+      break;
+    case DriverRelease::host_memory:
+      check(s.api.cuMemFreeHost(reinterpret_cast<void*>(release.handle)), "cuMemFreeHost", s.name);
+      break;
+    case DriverRelease::module:
+      check(s.api.cuModuleUnload(reinterpret_cast<CUmodule>(release.handle)), "cuModuleUnload", s.name);
+      break;
+  }
+}
+
+void CudaHCQDevice::release_when_unblocked(DriverRelease kind, std::uintptr_t handle, std::size_t bytes) {
+  if (state_->released.load()) return;  // at exit the context takes everything along
+  CudaHCQDevice& root = context_device();
+  if (root.context_holds_gpu_waits()) {
+    std::lock_guard lock(root.deferred_mutex_);
+    root.deferred_.push_back(DeferredRelease{kind, handle, bytes});
+    debug_log(2, name(), "a stream of the GPU waits on the GPU for a signal: the driver may wait for it before a "
+                         "free or unload, so it is made later (Note [CUDA implicit synchronization])");
+    return;
+  }
+  root.release_deferred();
+  release_now(DeferredRelease{kind, handle, bytes});
+}
+
+std::size_t CudaHCQDevice::release_deferred() {
+  CudaHCQDevice& root = context_device();
+  if (root.state_->released.load()) return 0;
+  {
+    std::lock_guard lock(root.deferred_mutex_);
+    if (root.deferred_.empty()) return 0;
+  }
+  if (root.context_holds_gpu_waits()) return 0;
+  std::vector<DeferredRelease> ready;
+  {
+    std::lock_guard lock(root.deferred_mutex_);
+    ready.swap(root.deferred_);
+  }
+  std::size_t bytes = 0;
+  for (const DeferredRelease& r : ready) {
+    try {
+      root.release_now(r);
+      if (r.kind == DriverRelease::device_memory) bytes += r.bytes;
+    } catch (const std::exception& e) {
+      debug_log(1, root.name(), "a deferred release failed: {}", e.what());
+    }
+  }
+  return bytes;
+}
+
+std::size_t CudaHCQDevice::deferred_device_bytes() const {
+  const CudaHCQDevice& root = programs_device();
+  std::lock_guard lock(root.deferred_mutex_);
+  std::size_t bytes = 0;
+  for (const DeferredRelease& r : root.deferred_)
+    if (r.kind == DriverRelease::device_memory) bytes += r.bytes;
+  return bytes;
+}
 
 std::uint64_t CudaHCQDevice::note_gpu_waits(CudaLane lane, std::span<const CudaCommand> commands) {
   const SignalSlot* own_timeline = timeline_slot();
@@ -1673,6 +1796,7 @@ void CudaHCQDevice::synchronize() {
   throw_if_failed();
   lanes_.synchronize_all();  // every stream's work ends, finished or failed
   CudaProgram::reclaim_retired();
+  release_deferred();
 }
 
 void CudaHCQDevice::on_timeline_wrapped() {

@@ -79,8 +79,11 @@ class CudaHCQDevice;
 // pull the code from under it. So the programs load() hands out are retired, not deleted, when
 // their last handle goes: with the timeline value last submitted on the device and on each of its
 // stream lanes (and the value covering the last direct call) that had not been reached then. The
-// module is unloaded once every one of them is reached, checked when another program retires and
-// at every synchronize of the device. A program with nothing in flight is unloaded at once.
+// module is unloaded once every one of them is reached or its device is idle (a waited direct
+// call's covering value is the one after the value it waited for, which may never be signalled),
+// checked when another program retires and at every synchronize of the device. A program with
+// nothing in flight is unloaded at once. The unload itself is put off while a stream of the GPU waits
+// on the GPU for a signal (Note [CUDA implicit synchronization] in cuda_device.cpp).
 class CudaProgram final : public Program {
  public:
   CudaProgram(std::string name, CudaHCQDevice& device, void* module, void* function,
@@ -251,6 +254,21 @@ class CudaHCQDevice final : public HCQCompiled<CudaComputeQueue, CudaCopyQueue> 
   void synchronize() override;
   // The device whose programs this device's queues run: itself, or a lane's parent.
   const CudaHCQDevice& programs_device() const noexcept { return parent_ ? *parent_ : *this; }
+  CudaHCQDevice& context_device() noexcept { return parent_ ? *parent_ : *this; }
+
+  // Note [CUDA implicit synchronization] (cuda_device.cpp): what the driver may free only after
+  // every stream of the context finished. Releases `handle` (a device pointer, a pinned host
+  // pointer or a CUmodule) now, or, while a stream of this GPU (the device's or a stream's lane)
+  // holds a GPU wait that has not passed, later: at the next release, refused allocation or
+  // synchronize that finds none. Driver errors of a release made now throw (a deferred one's are
+  // logged). Thread-safe; any device of the context may be called.
+  enum class DriverRelease : std::uint8_t { device_memory, host_memory, module };
+  void release_when_unblocked(DriverRelease kind, std::uintptr_t handle, std::size_t bytes);
+  // Makes the deferred releases if no stream of the GPU holds a GPU wait now; returns the bytes
+  // of device memory they gave back.
+  std::size_t release_deferred();
+  // The bytes of device memory whose release is deferred.
+  std::size_t deferred_device_bytes() const;
   bool is_lane() const noexcept { return parent_ != nullptr; }
 
   // Every CUDA device's signals: pinned, device-mapped host memory all of them reach.
@@ -365,6 +383,19 @@ class CudaHCQDevice final : public HCQCompiled<CudaComputeQueue, CudaCopyQueue> 
   mutable std::mutex pending_mutex_;
   std::deque<PendingSubmission> pending_;
   std::uint64_t pending_ids_ = 0;
+  // Whether one of this device's submissions holds a GPU wait that has not passed (its record).
+  bool holds_unpassed_gpu_waits() const;
+  // The same for every stream of the context: this device's parent and all its lanes.
+  bool context_holds_gpu_waits();
+  struct DeferredRelease {
+    DriverRelease kind;
+    std::uintptr_t handle;
+    std::size_t bytes;
+  };
+  void release_now(const DeferredRelease& release) const;  // the driver call; throws its error
+  // On the context's device (context_device()): releases deferred (Note [CUDA implicit synchronization]).
+  mutable std::mutex deferred_mutex_;
+  std::vector<DeferredRelease> deferred_;
   // Profiling spans around stream work (each returns a CUresult; see cuda_device.cpp).
   int begin_span(std::optional<ProfileRecord>& span, std::string_view name, void* stream);
   int end_span(std::optional<ProfileRecord>& span, void* stream);

@@ -11,9 +11,11 @@
 #include <atomic>
 #include <bit>
 #include <cerrno>
+#include <condition_variable>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <iterator>
 #include <mutex>
 #include <optional>
@@ -2104,4 +2106,146 @@ TEST_CASE("cuda fake: a refused batch of stream memory operations poisons every 
   Signal c = dev->alloc_signal(0);
   dev->compute_queue().signal(c, 3).submit(*dev);
   c.wait(3, std::chrono::seconds(5));
+}
+
+namespace {
+// Runs `action` while `gate` holds a GPU stream; a watchdog opens the gate after 5 s so a blocked
+// action ends. Returns how long the action took.
+std::chrono::steady_clock::duration time_while_gated(Signal& gate, const std::function<void()>& action) {
+  std::mutex m;
+  std::condition_variable cv;
+  bool done = false;
+  std::thread watchdog([&] {
+    std::unique_lock lock(m);
+    if (!cv.wait_for(lock, std::chrono::seconds(5), [&] { return done; })) gate.set(1);
+  });
+  const auto start = std::chrono::steady_clock::now();
+  action();
+  const auto took = std::chrono::steady_clock::now() - start;
+  {
+    std::lock_guard lock(m);
+    done = true;
+  }
+  cv.notify_all();
+  watchdog.join();
+  return took;
+}
+}  // namespace
+
+TEST_CASE("cuda fake: dropping programs and freeing memory while a GPU stream waits for the host does not wait for that stream", "[cuda][fake]") {
+  auto* dev = fake_hcq();
+  if (!dev) return;
+  ScopedOverride no_cache("TINYDEV_LRU", "0");  // frees are real: cuMemFree and cuMemFreeHost run
+  const std::size_t n = 256 + fresh_seed() % 768;
+  const auto x = random_floats(n, fresh_seed());
+  const std::int32_t vals[] = {static_cast<std::int32_t>(n)};
+  const LaunchParams grid{.global = {4, 1, 1}, .local = {256, 1, 1}};
+  const bool on_lane = GENERATE(false, true);
+  INFO((on_lane ? "a stream's lane waits" : "the device's own queue waits"));
+  std::shared_ptr<Stream> stream = on_lane ? dev->create_stream() : nullptr;
+  Buffer kept(dev->name(), n, dtypes::float32), scratch(dev->name(), n, dtypes::float32);
+  kept.allocate().copyin(std::span<const float>(x));
+  scratch.allocate();
+  // Holds a GPU stream on a fresh gate, runs `op` (which must reach the driver), then opens it.
+  const auto check_not_held = [&](const char* what, const std::function<void()>& op) {
+    INFO(what);
+    Signal gate = dev->alloc_signal(0);
+    if (stream) {
+      stream->wait(Event(gate, 1, nullptr));
+      stream->copyin(scratch, std::as_bytes(std::span(x)));  // queued behind the wait on the GPU
+    } else
+      submit_ordered(*dev, [&](auto& q) { q.wait(gate, 1); });
+    const long syncs = fake_calls("implicit synchronization");
+    CHECK(time_while_gated(gate, op) < std::chrono::seconds(2));
+    gate.set(1);
+    dev->synchronize();
+    if (stream) stream->synchronize();
+    CHECK(fake_calls("implicit synchronization") > syncs);  // the driver was asked to free it
+    dev->free_signal(gate);
+  };
+  const auto used_buffer = [&](BufferOptions options) {
+    auto b = std::make_shared<Buffer>(dev->name(), n, dtypes::float32, options);
+    b->allocate().copyin(std::span<const float>(x));
+    return b;
+  };
+  if (on_lane) {
+    // (A free waits for the device's own queues, as the seed's allocators synchronize in _free:
+    // only another stream's wait must not hold it.)
+    auto device_memory = used_buffer({});
+    check_not_held("device memory", [&] { device_memory.reset(); });
+    auto pinned = used_buffer(BufferOptions{.host = true});
+    check_not_held("pinned host memory", [&] { pinned.reset(); });
+  }
+  auto unused = dev->load_kernel("add", kernels::add_f32(SourceLanguage::CUDA));
+  check_not_held("a program never launched", [&] { unused.reset(); });
+  auto add = dev->load_kernel("add", kernels::add_f32(SourceLanguage::CUDA));
+  const Allocation bufs[] = {kept.allocation(), kept.allocation(), kept.allocation()};
+  (*add)(bufs, vals, LaunchParams{.global = grid.global, .local = grid.local, .wait = true});
+  check_not_held("a program launched", [&] { add.reset(); });
+  std::vector<float> back(n);
+  kept.copyout(std::span<float>(back));
+  for (std::size_t i = 0; i < n; ++i) REQUIRE(back[i] == x[i] + x[i]);
+}
+
+TEST_CASE("cuda fake: memory freed while a stream waits on the GPU is given back once it passed - an allocation that needs it says so until then", "[cuda][fake]") {
+  auto* dev = fake_hcq();
+  if (!dev) return;
+  // The fake GPU has 256 MiB (FAKE_CUDA_MEMORY unset): two of these do not fit at once.
+  const std::size_t big = (150u << 20) + (fresh_seed() % 1024) * 4096;
+  Allocator& allocator = dev->allocator();
+  Allocation first = allocator.alloc(big, BufferOptions{.nolru = true});
+  Signal gate = dev->alloc_signal(0);
+  auto stream = dev->create_stream();
+  const std::size_t n = 1024;
+  const auto x = random_floats(n, fresh_seed());
+  Buffer b(dev->name(), n, dtypes::float32);
+  b.allocate();
+  stream->wait(Event(gate, 1, nullptr));
+  Event copied = stream->copyin(b, std::as_bytes(std::span(x)));
+  const long syncs = fake_calls("implicit synchronization");
+  allocator.free(first, big, BufferOptions{.nolru = true});  // deferred: the stream waits for the gate
+  CHECK(fake_calls("implicit synchronization") == syncs);
+  CHECK(dev->deferred_device_bytes() == big);
+  CHECK_THROWS_WITH(allocator.alloc(big, BufferOptions{.nolru = true}),
+                    Catch::Contains(fmt::format("{} bytes freed earlier are not given back", big)) &&
+                        Catch::Contains("set the signals those streams wait for"));
+  gate.set(1);
+  copied.wait(std::chrono::seconds(10));
+  // The refused allocation gives back what was deferred and tries again.
+  Allocation second = allocator.alloc(big, BufferOptions{.nolru = true});
+  CHECK(dev->deferred_device_bytes() == 0);
+  CHECK(fake_calls("implicit synchronization") > syncs);
+  const auto data = random_bytes(1 << 12, fresh_seed());
+  allocator.copyin(second, data);
+  std::vector<std::byte> back(data.size());
+  allocator.copyout(back, second);
+  CHECK(back == data);
+  allocator.free(second, big, BufferOptions{.nolru = true});
+  std::vector<float> got(n);
+  b.copyout(std::span<float>(got));
+  CHECK(got == x);
+  dev->free_signal(gate);
+}
+
+TEST_CASE("cuda fake: a program dropped after a waited call on an idle device is unloaded at once", "[cuda][fake]") {
+  auto* dev = fake_hcq();
+  if (!dev) return;
+  dev->synchronize();
+  auto add = dev->load_kernel("add", kernels::add_f32(SourceLanguage::CUDA));
+  const std::size_t n = 512 + fresh_seed() % 512;
+  const auto x = random_floats(n, fresh_seed());
+  Buffer b(dev->name(), n, dtypes::float32);
+  b.allocate().copyin(std::span<const float>(x));
+  const Allocation bufs[] = {b.allocation(), b.allocation(), b.allocation()};
+  const std::int32_t vals[] = {static_cast<std::int32_t>(n)};
+  CHECK((*add)(bufs, vals, LaunchParams{.global = {4, 1, 1}, .local = {256, 1, 1}, .wait = true}).has_value());
+  CHECK(dev->idle());
+  // The module goes now (cuModuleUnload, which the fake counts as an implicit synchronization),
+  // not whenever later work moves the timeline past the value after the call's.
+  const long unloads = fake_calls("implicit synchronization");
+  add.reset();
+  CHECK(fake_calls("implicit synchronization") == unloads + 1);
+  std::vector<float> back(n);
+  b.copyout(std::span<float>(back));
+  for (std::size_t i = 0; i < n; ++i) REQUIRE(back[i] == x[i] + x[i]);
 }

@@ -28,6 +28,10 @@
 //    instantiated graph's dependencies;
 //  - FAKE_CUDA_NO_PEER=1: no device can access another's memory (copies between them still
 //    work, staged by the "driver"); FAKE_CUDA_NO_MEMOPS=1: no 64-bit stream memory operations.
+//  - cuMemFree, cuMemFreeHost and cuModuleUnload first wait for every stream of the context the
+//    memory or module belongs to, as the driver may ("this API may perform implicit
+//    synchronization"): a free while a stream waits on a word only the caller will write hangs
+//    here as it can on a GPU. fake_cuda_calls("implicit synchronization") counts the waits.
 //  fake_cuda_peer_enabled(from, to) tells tests whether the backend enabled peer access, and
 //  fake_cuda_calls("cuGraphLaunch") how often a function was called.
 // Not a general emulator: what the backend does not call is not here.
@@ -276,6 +280,19 @@ CUresult submit(CUstream stream, std::function<CUresult()> work) {
   if (!stream) return work();
   stream_of(stream)->enqueue(std::move(work));
   return CUDA_SUCCESS;
+}
+
+// What cuMemFree, cuMemFreeHost and cuModuleUnload do before they free: wait for all work queued
+// so far on every stream of `device` (the driver may synchronize the context; the fake always does).
+void synchronize_implicitly(FakeDevice* device) {
+  if (!device) return;
+  count_call("implicit synchronization");
+  std::vector<FakeStream*> streams;
+  {
+    std::lock_guard lock(g_mutex);
+    streams = device->streams;
+  }
+  for (FakeStream* s : streams) s->synchronize();
 }
 
 std::uint64_t* word_at(CUdeviceptr address) { return reinterpret_cast<std::uint64_t*>(address); }
@@ -656,6 +673,13 @@ CUresult CUDAAPI cuMemAlloc(CUdeviceptr* pointer, size_t size) {
 
 CUresult CUDAAPI cuMemFree(CUdeviceptr pointer) {
   FAKE_INJECT(cuMemFree);
+  FakeDevice* owner = nullptr;
+  {
+    std::lock_guard lock(g_mutex);
+    for (FakeDevice* d : devices())
+      if (d->allocations.count(static_cast<std::uintptr_t>(pointer))) owner = d;
+  }
+  synchronize_implicitly(owner);
   std::lock_guard lock(g_mutex);
   for (FakeDevice* d : devices()) {
     auto it = d->allocations.find(static_cast<std::uintptr_t>(pointer));
@@ -681,6 +705,15 @@ CUresult CUDAAPI cuMemHostAlloc(void** pointer, size_t size, unsigned int) {
 }
 
 CUresult CUDAAPI cuMemFreeHost(void* pointer) {
+  FakeDevice* owner = nullptr;
+  {
+    std::lock_guard lock(g_mutex);
+    auto it = host_owners().find(reinterpret_cast<std::uintptr_t>(pointer));
+    if (it != host_owners().end())
+      for (FakeDevice* d : devices())
+        if (d->ordinal == it->second) owner = d;
+  }
+  synchronize_implicitly(owner);
   std::lock_guard lock(g_mutex);
   if (host_allocations().erase(reinterpret_cast<std::uintptr_t>(pointer)) == 0) return CUDA_ERROR_INVALID_VALUE;
   host_owners().erase(reinterpret_cast<std::uintptr_t>(pointer));
@@ -759,6 +792,7 @@ CUresult CUDAAPI cuModuleLoadData(CUmodule* module, const void* image) {
 }
 
 CUresult CUDAAPI cuModuleUnload(CUmodule module) {
+  synchronize_implicitly(t_current);
   {
     std::lock_guard lock(g_mutex);
     live_modules().erase(module);
