@@ -437,7 +437,7 @@ CudaProgram::~CudaProgram() {
   // A retired program's marks were reached (no lock taken then: it may be deleted by a thread that
   // holds a submit mutex); a program dropped with nothing in flight has nothing to wait for either.
   if (const std::uint64_t launched = last_direct_value_.load(std::memory_order_acquire);
-      launched != 0 && device_.timeline_slot()->value.load(std::memory_order_acquire) < launched) {
+      !work_done_ && launched != 0 && device_.timeline_slot()->value.load(std::memory_order_acquire) < launched) {
     try {
       // The timeline value covering the last direct call is signalled by now, or by
       // last_submitted_value() (Note [Lazy timeline signals]); after a wrap both are past.
@@ -508,6 +508,7 @@ void CudaProgram::retire(CudaProgram* program) {
       program = nullptr;
     }
   }
+  if (program) program->work_done_ = true;
   delete program;  // nothing in flight: unloaded now (~CudaProgram)
   reclaim_retired();
 }
@@ -523,7 +524,10 @@ void CudaProgram::reclaim_retired() {
       return true;
     });
   }
-  for (CudaProgram* program : done) delete program;  // outside the lock: ~CudaProgram calls the driver
+  for (CudaProgram* program : done) {
+    program->work_done_ = true;  // ~CudaProgram must not wait (nor lock): a submit mutex may be held here
+    delete program;              // outside the lock: ~CudaProgram calls the driver
+  }
 }
 
 const std::string& CudaProgram::device() const noexcept { return device_.name(); }
@@ -721,17 +725,24 @@ Allocation CudaAllocator::alloc_impl(std::size_t size, const BufferOptions& opti
   const DeviceState& s = device_.state();
   device_.throw_if_failed();
   s.make_current();
+  // A refused allocation first gives back what was deferred (Note [CUDA implicit
+  // synchronization]), waiting briefly for GPU waits between streams to pass, and tries again.
+  constexpr auto kDeferredWait = std::chrono::milliseconds(500);
   if (options.host) {
     // Pinned and mapped into every context: the staging ring's slots, zero-copy host buffers.
     void* p = nullptr;
-    check(s.api.cuMemHostAlloc(&p, size, CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP),
-          fmt::format("cuMemHostAlloc of {} bytes", size), s.name);
+    const auto alloc_host = [&] { return s.api.cuMemHostAlloc(&p, size, CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP); };
+    CUresult r = alloc_host();
+    if (r == CUDA_ERROR_OUT_OF_MEMORY && device_.release_deferred_within(kDeferredWait)) {
+      s.make_current();
+      r = alloc_host();
+    }
+    check(r, fmt::format("cuMemHostAlloc of {} bytes", size), s.name);
     return Allocation{reinterpret_cast<std::uintptr_t>(p), size, pinned_tag()};
   }
   CUdeviceptr p = 0;
   CUresult r = s.api.cuMemAlloc(&p, size);
-  // Memory whose free was deferred (Note [CUDA implicit synchronization]) goes first, if it can.
-  if (r == CUDA_ERROR_OUT_OF_MEMORY && device_.release_deferred() > 0) {
+  if (r == CUDA_ERROR_OUT_OF_MEMORY && device_.release_deferred_within(kDeferredWait)) {
     s.make_current();
     r = s.api.cuMemAlloc(&p, size);
   }
@@ -1004,8 +1015,9 @@ bool wait_passes(const SignalSlot& slot, std::uint64_t value) noexcept {
 // and made by the next release, refused allocation or synchronize that finds no such wait. Work
 // that only runs kernels and copies finishes by itself, so a release behind it is made at once
 // (the driver's wait is then short). Device memory deferred is not counted in use by the
-// allocator but the driver still holds it: a refused allocation releases what it can and retries,
-// and its OutOfMemory says how much is still deferred. Left: a submission from another thread
+// allocator but the driver still holds it: a refused allocation waits up to 500 ms for a moment
+// with no such wait (waits between streams pass by themselves), releases what was deferred and
+// retries; its OutOfMemory says how much is still deferred. Left: a submission from another thread
 // between the check and the driver call can still hold that one release (the window of one driver
 // call); and at exit the context takes what is still deferred along.
 bool CudaHCQDevice::holds_unpassed_gpu_waits() const {
@@ -1040,7 +1052,8 @@ void CudaHCQDevice::release_now(const DeferredRelease& release) const {
 }
 
 void CudaHCQDevice::release_when_unblocked(DriverRelease kind, std::uintptr_t handle, std::size_t bytes) {
-  if (state_->released.load()) return;  // at exit the context takes everything along
+  // At exit the context takes everything along; a forked child must not touch the parent's.
+  if (state_->released.load() || !opened_in_this_process()) return;
   CudaHCQDevice& root = context_device();
   if (root.context_holds_gpu_waits()) {
     std::lock_guard lock(root.deferred_mutex_);
@@ -1055,7 +1068,7 @@ void CudaHCQDevice::release_when_unblocked(DriverRelease kind, std::uintptr_t ha
 
 std::size_t CudaHCQDevice::release_deferred() {
   CudaHCQDevice& root = context_device();
-  if (root.state_->released.load()) return 0;
+  if (root.state_->released.load() || !root.opened_in_this_process()) return 0;
   {
     std::lock_guard lock(root.deferred_mutex_);
     if (root.deferred_.empty()) return 0;
@@ -1066,16 +1079,28 @@ std::size_t CudaHCQDevice::release_deferred() {
     std::lock_guard lock(root.deferred_mutex_);
     ready.swap(root.deferred_);
   }
-  std::size_t bytes = 0;
   for (const DeferredRelease& r : ready) {
     try {
       root.release_now(r);
-      if (r.kind == DriverRelease::device_memory) bytes += r.bytes;
     } catch (const std::exception& e) {
       debug_log(1, root.name(), "a deferred release failed: {}", e.what());
     }
   }
-  return bytes;
+  return ready.size();
+}
+
+bool CudaHCQDevice::release_deferred_within(std::chrono::milliseconds timeout) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  for (;;) {
+    {
+      CudaHCQDevice& root = context_device();
+      std::lock_guard lock(root.deferred_mutex_);
+      if (root.deferred_.empty()) return false;
+    }
+    if (release_deferred() > 0) return true;
+    if (std::chrono::steady_clock::now() >= deadline) return false;
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
 }
 
 std::size_t CudaHCQDevice::deferred_device_bytes() const {

@@ -35,6 +35,7 @@
 
 #include <array>
 #include <atomic>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <deque>
@@ -122,6 +123,9 @@ class CudaProgram final : public Program {
   std::optional<KernelSignature> signature_;
   std::string launch_what_;
   std::atomic<std::uint64_t> last_direct_value_{0};  // a timeline value at or after the last direct call's
+  // Set before a retired program is deleted: its work ran (reached marks, or an idle device), so
+  // ~CudaProgram waits for nothing (it may run under a submit mutex).
+  bool work_done_ = false;
 };
 
 // A copy between host memories that a host function makes on a stream (cuLaunchHostFunc): how a
@@ -264,9 +268,10 @@ class CudaHCQDevice final : public HCQCompiled<CudaComputeQueue, CudaCopyQueue> 
   // logged). Thread-safe; any device of the context may be called.
   enum class DriverRelease : std::uint8_t { device_memory, host_memory, module };
   void release_when_unblocked(DriverRelease kind, std::uintptr_t handle, std::size_t bytes);
-  // Makes the deferred releases if no stream of the GPU holds a GPU wait now; returns the bytes
-  // of device memory they gave back.
+  // Makes the deferred releases if no stream of the GPU holds a GPU wait now; returns how many.
   std::size_t release_deferred();
+  // The same, trying until `timeout` while some are deferred; whether any was made.
+  bool release_deferred_within(std::chrono::milliseconds timeout);
   // The bytes of device memory whose release is deferred.
   std::size_t deferred_device_bytes() const;
   bool is_lane() const noexcept { return parent_ != nullptr; }

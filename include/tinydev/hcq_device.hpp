@@ -148,8 +148,11 @@ class HCQCompiled : public Compiled {
   void signal_lazy_work_now() {
     std::lock_guard lock(submit_mutex_);
     if (!lazy_work_.load(std::memory_order_relaxed)) return;
-    lazy_work_.store(false, std::memory_order_relaxed);
-    signal_lazy_work(timeline_value_.fetch_add(1, std::memory_order_acq_rel));
+    // The value is taken before the flag goes, so idle() (read without the mutex) never sees
+    // the lazy work gone while the timeline does not yet count the value covering it.
+    const std::uint64_t value = timeline_value_.fetch_add(1, std::memory_order_acq_rel);
+    lazy_work_.store(false, std::memory_order_release);
+    signal_lazy_work(value);
   }
   std::recursive_mutex& submit_mutex() const noexcept { return submit_mutex_; }
 

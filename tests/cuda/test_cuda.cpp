@@ -2203,11 +2203,13 @@ TEST_CASE("cuda fake: memory freed while a stream waits on the GPU is given back
   stream->wait(Event(gate, 1, nullptr));
   Event copied = stream->copyin(b, std::as_bytes(std::span(x)));
   const long syncs = fake_calls("implicit synchronization");
-  allocator.free(first, big, BufferOptions{.nolru = true});  // deferred: the stream waits for the gate
+  // Deferred: the stream waits for the gate (a watchdog opens it should the free wait for it).
+  CHECK(time_while_gated(gate, [&] { allocator.free(first, big, BufferOptions{.nolru = true}); }) <
+        std::chrono::seconds(2));
   CHECK(fake_calls("implicit synchronization") == syncs);
-  CHECK(dev->deferred_device_bytes() == big);
+  CHECK(dev->deferred_device_bytes() >= big);
   CHECK_THROWS_WITH(allocator.alloc(big, BufferOptions{.nolru = true}),
-                    Catch::Contains(fmt::format("{} bytes freed earlier are not given back", big)) &&
+                    Catch::Contains("bytes freed earlier are not given back") &&
                         Catch::Contains("set the signals those streams wait for"));
   gate.set(1);
   copied.wait(std::chrono::seconds(10));
@@ -2244,8 +2246,48 @@ TEST_CASE("cuda fake: a program dropped after a waited call on an idle device is
   // not whenever later work moves the timeline past the value after the call's.
   const long unloads = fake_calls("implicit synchronization");
   add.reset();
-  CHECK(fake_calls("implicit synchronization") == unloads + 1);
+  CHECK(fake_calls("implicit synchronization") > unloads);
   std::vector<float> back(n);
   b.copyout(std::span<float>(back));
   for (std::size_t i = 0; i < n; ++i) REQUIRE(back[i] == x[i] + x[i]);
+}
+
+TEST_CASE("cuda fake: a retired program whose work ran is unloaded later without waiting for a stream held by a signal", "[cuda][fake]") {
+  auto* dev = fake_hcq();
+  if (!dev) return;
+  auto stream = dev->create_stream();
+  const std::size_t n = 512 + fresh_seed() % 512;
+  const auto x = random_floats(n, fresh_seed());
+  Buffer b(dev->name(), n, dtypes::float32);
+  b.allocate().copyin(std::span<const float>(x));
+  const Allocation bufs[] = {b.allocation(), b.allocation(), b.allocation()};
+  const std::int32_t vals[] = {static_cast<std::int32_t>(n)};
+  // The first program's last handle goes while a direct call of it may run and a stream is held
+  // by a gate: it retires until both are past.
+  Signal first_gate = dev->alloc_signal(0);
+  stream->wait(Event(first_gate, 1, nullptr));
+  stream->copyin(b, std::as_bytes(std::span(x)));
+  auto first = dev->load_kernel("add", kernels::add_f32(SourceLanguage::CUDA));
+  (*first)(bufs, vals, LaunchParams{.global = {4, 1, 1}, .local = {256, 1, 1}});
+  first.reset();
+  first_gate.set(1);
+  stream->synchronize();
+  std::vector<float> back(n);
+  b.copyout(std::span<float>(back));  // the device's timeline passes the direct call
+  // Its work ran, but nothing reclaimed it yet. Now the stream is held again, and another
+  // program's retirement reclaims the first: its unload must not wait for the held stream.
+  Signal second_gate = dev->alloc_signal(0);
+  stream->wait(Event(second_gate, 1, nullptr));
+  stream->copyin(b, std::as_bytes(std::span(x)));
+  auto second = dev->load_kernel("add", kernels::add_f32(SourceLanguage::CUDA));
+  const long before = fake_calls("implicit synchronization");
+  CHECK(time_while_gated(second_gate, [&] { second.reset(); }) < std::chrono::seconds(2));
+  CHECK(fake_calls("implicit synchronization") == before);  // nothing unloaded under the gate
+  second_gate.set(1);
+  dev->synchronize();  // both modules go now
+  CHECK(fake_calls("implicit synchronization") >= before + 2);
+  b.copyout(std::span<float>(back));
+  CHECK(back == x);  // the copyin after the second gate wrote x again
+  dev->free_signal(first_gate);
+  dev->free_signal(second_gate);
 }
