@@ -726,14 +726,16 @@ Allocation CudaAllocator::alloc_impl(std::size_t size, const BufferOptions& opti
   device_.throw_if_failed();
   s.make_current();
   // A refused allocation first gives back what was deferred (Note [CUDA implicit
-  // synchronization]), waiting briefly for GPU waits between streams to pass, and tries again.
+  // synchronization]), for device memory waiting briefly for GPU waits between streams to pass,
+  // and tries again.
   constexpr auto kDeferredWait = std::chrono::milliseconds(500);
   if (options.host) {
     // Pinned and mapped into every context: the staging ring's slots, zero-copy host buffers.
     void* p = nullptr;
     const auto alloc_host = [&] { return s.api.cuMemHostAlloc(&p, size, CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP); };
     CUresult r = alloc_host();
-    if (r == CUDA_ERROR_OUT_OF_MEMORY && device_.release_deferred_within(kDeferredWait)) {
+    // No waiting here: the staging ring grows under the submit mutex.
+    if (r == CUDA_ERROR_OUT_OF_MEMORY && device_.release_deferred() > 0) {
       s.make_current();
       r = alloc_host();
     }
@@ -1015,9 +1017,10 @@ bool wait_passes(const SignalSlot& slot, std::uint64_t value) noexcept {
 // and made by the next release, refused allocation or synchronize that finds no such wait. Work
 // that only runs kernels and copies finishes by itself, so a release behind it is made at once
 // (the driver's wait is then short). Device memory deferred is not counted in use by the
-// allocator but the driver still holds it: a refused allocation waits up to 500 ms for a moment
-// with no such wait (waits between streams pass by themselves), releases what was deferred and
-// retries; its OutOfMemory says how much is still deferred. Left: a submission from another thread
+// allocator but the driver still holds it: a refused device allocation waits up to 500 ms for a
+// moment with no such wait (waits between streams pass by themselves), releases what was
+// deferred and retries; its OutOfMemory says how much is still deferred. A refused pinned one
+// (the staging ring's, under the submit mutex) releases what it can at once and retries. Left: a submission from another thread
 // between the check and the driver call can still hold that one release (the window of one driver
 // call); and at exit the context takes what is still deferred along.
 bool CudaHCQDevice::holds_unpassed_gpu_waits() const {
@@ -1090,14 +1093,16 @@ std::size_t CudaHCQDevice::release_deferred() {
 }
 
 bool CudaHCQDevice::release_deferred_within(std::chrono::milliseconds timeout) {
+  CudaHCQDevice& root = context_device();
+  if (root.state_->released.load() || !root.opened_in_this_process()) return false;
+  const auto deferred = [&] {
+    std::lock_guard lock(root.deferred_mutex_);
+    return !root.deferred_.empty();
+  };
+  if (!deferred()) return false;
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   for (;;) {
-    {
-      CudaHCQDevice& root = context_device();
-      std::lock_guard lock(root.deferred_mutex_);
-      if (root.deferred_.empty()) return false;
-    }
-    if (release_deferred() > 0) return true;
+    if (release_deferred() > 0 || !deferred()) return true;  // or another thread released them
     if (std::chrono::steady_clock::now() >= deadline) return false;
     std::this_thread::sleep_for(std::chrono::microseconds(200));
   }

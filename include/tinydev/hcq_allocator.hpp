@@ -226,15 +226,20 @@ class HCQAllocator : public LRUAllocator {
   }
 
   // Note [Cache reuse after queued work] (tinydev/memory.hpp): the last value taken on the
-  // timeline while work is in flight; done once the timeline reached it, or once the mark is past
-  // every value handed out (a wrap restarted the numbers after everything finished).
+  // timeline while work is in flight, or, with direct calls not yet covered by one (Note [Lazy
+  // timeline signals]), the value that will cover them (the flag is read first: a signal in
+  // between only makes the mark one later). Done once the timeline reached it, once the device
+  // is idle, or once the mark is past every value handed out (a wrap restarted the numbers after
+  // everything finished).
   std::uint64_t queued_work_mark() const noexcept override {
     if (!device_alive_ || device_.idle()) return 0;
-    return device_.timeline_value() - 1;
+    const bool lazy = device_.has_lazy_work();
+    return lazy ? device_.timeline_value() : device_.timeline_value() - 1;
   }
   bool queued_work_done(std::uint64_t mark) const noexcept override {
     if (mark == 0 || !device_alive_) return true;
-    return device_.timeline_slot()->value.load(std::memory_order_acquire) >= mark || mark >= device_.timeline_value();
+    return device_.timeline_slot()->value.load(std::memory_order_acquire) >= mark || mark > device_.timeline_value() ||
+           device_.idle();
   }
 
   // Called by the device when its timeline wraps (Note [Timeline wrap]).

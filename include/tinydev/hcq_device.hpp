@@ -152,7 +152,12 @@ class HCQCompiled : public Compiled {
     // the lazy work gone while the timeline does not yet count the value covering it.
     const std::uint64_t value = timeline_value_.fetch_add(1, std::memory_order_acq_rel);
     lazy_work_.store(false, std::memory_order_release);
-    signal_lazy_work(value);
+    try {
+      signal_lazy_work(value);
+    } catch (...) {
+      abandon_timeline_value(value);  // taken but not signalled: completed empty, or the timeline poisoned
+      throw;
+    }
   }
   std::recursive_mutex& submit_mutex() const noexcept { return submit_mutex_; }
 
@@ -363,6 +368,9 @@ class HCQCompiled : public Compiled {
   // their full time again.
   void forget_timeouts() noexcept { timed_out_.store(false, std::memory_order_relaxed); }
   // Whether everything submitted so far has finished. Lock-free.
+  // Direct calls ran without a timeline value yet (Note [Lazy timeline signals]): the value that
+  // will cover them is timeline_value().
+  bool has_lazy_work() const noexcept { return lazy_work_.load(std::memory_order_acquire); }
   bool idle() const noexcept {
     if (lazy_work_.load(std::memory_order_acquire)) return false;
     return timeline_slot_.load(std::memory_order_acquire)->value.load(std::memory_order_acquire) + 1 >= timeline_value();

@@ -2209,7 +2209,7 @@ TEST_CASE("cuda fake: memory freed while a stream waits on the GPU is given back
   CHECK(fake_calls("implicit synchronization") == syncs);
   CHECK(dev->deferred_device_bytes() >= big);
   CHECK_THROWS_WITH(allocator.alloc(big, BufferOptions{.nolru = true}),
-                    Catch::Contains("bytes freed earlier are not given back") &&
+                    Catch::Contains(fmt::format("{} bytes freed earlier are not given back", dev->deferred_device_bytes())) &&
                         Catch::Contains("set the signals those streams wait for"));
   gate.set(1);
   copied.wait(std::chrono::seconds(10));
@@ -2244,9 +2244,29 @@ TEST_CASE("cuda fake: a program dropped after a waited call on an idle device is
   CHECK(dev->idle());
   // The module goes now (cuModuleUnload, which the fake counts as an implicit synchronization),
   // not whenever later work moves the timeline past the value after the call's.
-  const long unloads = fake_calls("implicit synchronization");
-  add.reset();
-  CHECK(fake_calls("implicit synchronization") > unloads);
+  const long unloads = fake_calls("cuModuleUnload");
+  SECTION("by the thread dropping it") {
+    add.reset();
+    CHECK(fake_calls("cuModuleUnload") == unloads + 1);
+  }
+  SECTION("without waiting for a thread that holds the device's submit mutex") {
+    // The retired program is reclaimed when it is found idle, possibly on a thread that holds a
+    // submit mutex: ~CudaProgram must not take another's.
+    std::atomic<bool> held{false}, release{false};
+    std::thread holder([&] {
+      std::lock_guard lock(dev->submit_mutex());
+      held = true;
+      for (int i = 0; i < 500 && !release; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    });
+    while (!held) std::this_thread::yield();
+    const auto start = std::chrono::steady_clock::now();
+    add.reset();
+    const auto took = std::chrono::steady_clock::now() - start;
+    release = true;
+    holder.join();
+    CHECK(took < std::chrono::seconds(2));
+    CHECK(fake_calls("cuModuleUnload") == unloads + 1);
+  }
   std::vector<float> back(n);
   b.copyout(std::span<float>(back));
   for (std::size_t i = 0; i < n; ++i) REQUIRE(back[i] == x[i] + x[i]);
@@ -2290,4 +2310,48 @@ TEST_CASE("cuda fake: a retired program whose work ran is unloaded later without
   CHECK(back == x);  // the copyin after the second gate wrote x again
   dev->free_signal(first_gate);
   dev->free_signal(second_gate);
+}
+
+TEST_CASE("cuda fake: memory freed after a direct call that has not run is not handed to a stream until the call ran", "[cuda][fake]") {
+  auto* dev = fake_hcq();
+  if (!dev) return;
+  ScopedOverride cache("TINYDEV_LRU", "1");
+  auto add = dev->load_kernel("add", kernels::add_f32(SourceLanguage::CUDA));
+  const std::size_t n = 2048 + fresh_seed() % 1024;
+  const auto x = random_floats(n, fresh_seed());
+  Buffer in(dev->name(), n, dtypes::float32);
+  in.allocate().copyin(std::span<const float>(x));
+  std::optional<Buffer> out(std::in_place, dev->name(), n, dtypes::float32);
+  out->allocate();
+  const std::uintptr_t freed_at = out->allocation().va_addr;
+  // Hold the compute stream without a timeline value of its own, then a direct call writing
+  // `out` behind it: no timeline value covers the call yet (Note [Lazy timeline signals]), and
+  // the last one taken is reached already.
+  dev->synchronize();
+  Signal gate = dev->alloc_signal(0);
+  dev->compute_queue().wait(gate, 1).submit(*dev);
+  const Allocation bufs[] = {out->allocation(), in.allocation(), in.allocation()};
+  const std::int32_t vals[] = {static_cast<std::int32_t>(n)};
+  (*add)(bufs, vals, LaunchParams{.global = {static_cast<std::uint32_t>((n + 255) / 256), 1, 1}, .local = {256, 1, 1}});
+  CHECK(dev->has_lazy_work());
+  out.reset();  // into the cache, while the call will still write it
+  // A stream's buffer of the same size must not be that memory: the stream is not ordered after
+  // the call, so its writes would race with the kernel's.
+  auto stream = dev->create_stream();
+  Buffer reused(dev->name(), n, dtypes::float32);
+  reused.allocate();
+  CHECK(reused.allocation().va_addr != freed_at);
+  const auto y = random_floats(n, fresh_seed());
+  stream->copyin(reused, std::as_bytes(std::span(y)));
+  gate.set(1);
+  dev->synchronize();
+  stream->synchronize();
+  std::vector<float> back(n);
+  reused.copyout(std::span<float>(back));
+  CHECK(back == y);
+  // Once the call ran, the memory comes back from the cache.
+  Buffer again(dev->name(), n, dtypes::float32);
+  again.allocate();
+  CHECK(again.allocation().va_addr == freed_at);
+  dev->free_signal(gate);
 }

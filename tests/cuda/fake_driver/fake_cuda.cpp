@@ -792,6 +792,7 @@ CUresult CUDAAPI cuModuleLoadData(CUmodule* module, const void* image) {
 }
 
 CUresult CUDAAPI cuModuleUnload(CUmodule module) {
+  count_call("cuModuleUnload");
   synchronize_implicitly(t_current);
   {
     std::lock_guard lock(g_mutex);
