@@ -427,6 +427,18 @@ void CudaProgram::throw_wrong_counts(std::size_t buffers, std::size_t values) co
                                     values));
 }
 
+namespace {
+// Unloads `module` (kernel `name`'s) once no stream of the GPU waits on the GPU for a signal (Note
+// [CUDA implicit synchronization]); a failure is logged, not thrown (destructors and error paths).
+void unload_module(CudaHCQDevice& device, void* module, std::string_view name) noexcept {
+  try {
+    device.release_when_unblocked(CudaHCQDevice::DriverRelease::module, reinterpret_cast<std::uintptr_t>(module), 0);
+  } catch (const std::exception& e) {
+    debug_log(1, device.name(), "unloading '{}' failed: {}", name, e.what());
+  }
+}
+}  // namespace
+
 // A direct call holds no reference to its program, so the last launch may still be queued or
 // running: the module is unloaded after the timeline passed it (a hung GPU leaks the module after
 // 30 s instead of unloading code under a running kernel). Queued execs and graphs keep their
@@ -454,12 +466,7 @@ CudaProgram::~CudaProgram() {
       }
     }
   }
-  try {
-    // Not under another stream's wait on the GPU (Note [CUDA implicit synchronization]).
-    device_.release_when_unblocked(CudaHCQDevice::DriverRelease::module, reinterpret_cast<std::uintptr_t>(module_), 0);
-  } catch (const std::exception& e) {
-    debug_log(1, device_.name(), "unloading '{}' failed: {}", name(), e.what());
-  }
+  unload_module(device_, module_, name());
 }
 
 namespace {
@@ -583,7 +590,7 @@ class CudaRuntime final : public Runtime {
     CUfunction function = nullptr;
     const std::string name(kernel_name);
     if (const CUresult r = s.api.cuModuleGetFunction(&function, module, name.c_str()); r != CUDA_SUCCESS) {
-      unload(module);
+      unload_module(device_, module, name);
       throw InvalidArgument(fmt::format("{}: kernel '{}' is not in the compiled module ({}): check the kernel name, "
                                         "and that it is declared extern \"C\"",
                                         s.name, quote_for_message(kernel_name), describe(r)));
@@ -592,20 +599,13 @@ class CudaRuntime final : public Runtime {
     try {
       signature = signature_of(function, name);
     } catch (...) {
-      unload(module);
+      unload_module(device_, module, name);
       throw;
     }
     return CudaProgram::make(name, device_, module, function, signature);
   }
 
  private:
-  // A module loaded in vain goes as a program's does (Note [CUDA implicit synchronization]).
-  void unload(CUmodule module) noexcept {
-    try {
-      device_.release_when_unblocked(CudaHCQDevice::DriverRelease::module, reinterpret_cast<std::uintptr_t>(module), 0);
-    } catch (const std::exception&) {
-    }
-  }
   // The kernel's signature from the driver (Note [CUDA kernel signatures]): nullopt where the
   // driver cannot tell; InvalidArgument for a parameter list no launch of tinydev can pass.
   std::optional<KernelSignature> signature_of(CUfunction function, const std::string& name) const {
@@ -728,7 +728,6 @@ Allocation CudaAllocator::alloc_impl(std::size_t size, const BufferOptions& opti
   // A refused allocation first gives back what was deferred (Note [CUDA implicit
   // synchronization]), for device memory waiting briefly for GPU waits between streams to pass,
   // and tries again.
-  constexpr auto kDeferredWait = std::chrono::milliseconds(500);
   if (options.host) {
     // Pinned and mapped into every context: the staging ring's slots, zero-copy host buffers.
     void* p = nullptr;
@@ -744,7 +743,7 @@ Allocation CudaAllocator::alloc_impl(std::size_t size, const BufferOptions& opti
   }
   CUdeviceptr p = 0;
   CUresult r = s.api.cuMemAlloc(&p, size);
-  if (r == CUDA_ERROR_OUT_OF_MEMORY && device_.release_deferred_within(kDeferredWait)) {
+  if (r == CUDA_ERROR_OUT_OF_MEMORY && device_.release_deferred_within(std::chrono::milliseconds(500))) {
     s.make_current();
     r = s.api.cuMemAlloc(&p, size);
   }
@@ -1020,9 +1019,10 @@ bool wait_passes(const SignalSlot& slot, std::uint64_t value) noexcept {
 // allocator but the driver still holds it: a refused device allocation waits up to 500 ms for a
 // moment with no such wait (waits between streams pass by themselves), releases what was
 // deferred and retries; its OutOfMemory says how much is still deferred. A refused pinned one
-// (the staging ring's, under the submit mutex) releases what it can at once and retries. Left: a submission from another thread
-// between the check and the driver call can still hold that one release (the window of one driver
-// call); and at exit the context takes what is still deferred along.
+// (the staging ring's, under the submit mutex) releases what it can at once and retries. Left: a
+// submission from another thread between the check and the driver call can still hold that one
+// release (the window of one driver call); and at exit the context takes what is still deferred
+// along.
 bool CudaHCQDevice::holds_unpassed_gpu_waits() const {
   std::lock_guard lock(pending_mutex_);
   return std::ranges::any_of(pending_, [](const PendingSubmission& p) {

@@ -282,17 +282,21 @@ CUresult submit(CUstream stream, std::function<CUresult()> work) {
   return CUDA_SUCCESS;
 }
 
-// What cuMemFree, cuMemFreeHost and cuModuleUnload do before they free: wait for all work queued
-// so far on every stream of `device` (the driver may synchronize the context; the fake always does).
-void synchronize_implicitly(FakeDevice* device) {
-  if (!device) return;
-  count_call("implicit synchronization");
+// Waits for all work queued so far on every stream of `device` (cuCtxSynchronize).
+void synchronize_streams(FakeDevice& device) {
   std::vector<FakeStream*> streams;
   {
     std::lock_guard lock(g_mutex);
-    streams = device->streams;
+    streams = device.streams;
   }
   for (FakeStream* s : streams) s->synchronize();
+}
+// What cuMemFree, cuMemFreeHost and cuModuleUnload do before they free (the driver may
+// synchronize the context; the fake always does).
+void synchronize_implicitly(FakeDevice* device) {
+  if (!device) return;
+  count_call("implicit synchronization");
+  synchronize_streams(*device);
 }
 
 std::uint64_t* word_at(CUdeviceptr address) { return reinterpret_cast<std::uint64_t*>(address); }
@@ -629,12 +633,7 @@ CUresult CUDAAPI cuCtxSetCurrent(CUcontext context) {
 CUresult CUDAAPI cuCtxSynchronize() {
   FAKE_INJECT(cuCtxSynchronize);
   if (!t_current) return CUDA_ERROR_INVALID_CONTEXT;
-  std::vector<FakeStream*> streams;
-  {
-    std::lock_guard lock(g_mutex);
-    streams = t_current->streams;
-  }
-  for (FakeStream* s : streams) s->synchronize();
+  synchronize_streams(*t_current);
   return static_cast<CUresult>(t_current->sticky.load());
 }
 
