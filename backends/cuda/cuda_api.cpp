@@ -31,18 +31,44 @@ void* open_first(const std::vector<std::string>& candidates, std::string& opened
   return nullptr;
 }
 
+// Note [Older driver symbols]
+// The table takes the symbols the headers select, and with the CUDA 13 headers every one of them
+// is in drivers of CUDA 12.0 and later (the newest are cuGraphAddKernelNode_v2 and
+// cuGraphExecKernelNodeSetParams_v2 of 12.0) except cuEventElapsedTime_v2, which drivers export
+// from CUDA 12.8 on. Datacenter machines keep long-lived driver branches (CUDA 12.2, 12.4), so
+// where a driver lacks it the symbol of CUDA 2.0 is taken: the same parameters and results, except
+// that it may also report an error of earlier asynchronous work, which tinydev's only caller (a
+// timed direct call) has already seen in the cuEventSynchronize before it.
+struct OlderSymbol {
+  std::string_view header_symbol;  // what the headers select
+  const char* older;               // the same function's older symbol, of the same type
+};
+constexpr OlderSymbol kOlderSymbols[] = {{"cuEventElapsedTime_v2", "cuEventElapsedTime"}};
+
+// dlsym of `symbol`, else of its older symbol where Note [Older driver symbols] lists one.
+void* find_driver_symbol(void* handle, const char* symbol) {
+  if (void* found = ::dlsym(handle, symbol)) return found;
+  for (const OlderSymbol& older : kOlderSymbols) {
+    if (older.header_symbol != symbol) continue;
+    void* found = ::dlsym(handle, older.older);
+    if (found) debug_log(1, "CUDA", "the driver has no {} (CUDA 12.8 and later): using {}", symbol, older.older);
+    return found;
+  }
+  return nullptr;
+}
+
 // Resolves every function of a table; the first missing one is named in the error.
 template <class Table>
 std::string resolve(void* handle, Table& table, std::string_view library);
 
 template <>
 std::string resolve(void* handle, Driver& d, std::string_view library) {
-#define TINYDEV_CUDA_RESOLVE(name)                                                                         \
-  d.name = reinterpret_cast<decltype(d.name)>(::dlsym(handle, TINYDEV_CUDA_SYMBOL(name)));                 \
-  if (!d.name)                                                                                             \
-    return fmt::format("{} has no {}: the driver is older than the CUDA 13 headers tinydev was built with; " \
-                       "update the NVIDIA driver",                                                         \
-                       library, TINYDEV_CUDA_SYMBOL(name));
+#define TINYDEV_CUDA_RESOLVE(name)                                                                           \
+  d.name = reinterpret_cast<decltype(d.name)>(find_driver_symbol(handle, TINYDEV_CUDA_SYMBOL(name)));          \
+  if (!d.name)                                                                                               \
+    return fmt::format("{} has no {}: tinydev (built with the CUDA {}.{} headers) needs a driver of CUDA 12.0 " \
+                       "or later; update the NVIDIA driver",                                                 \
+                       library, TINYDEV_CUDA_SYMBOL(name), CUDA_VERSION / 1000, CUDA_VERSION % 1000 / 10);
   TINYDEV_CUDA_DRIVER_FUNCTIONS(TINYDEV_CUDA_RESOLVE)
 #undef TINYDEV_CUDA_RESOLVE
 #define TINYDEV_CUDA_RESOLVE_OPTIONAL(name) \

@@ -10,7 +10,9 @@
 // are opened on first use and every function is resolved from one declarative table. The table
 // takes the versioned names the CUDA 13 headers select (`cuMemAlloc` is `cuMemAlloc_v2`):
 // stringizing the macro-expanded name gives the symbol, and `decltype(&::name)` gives its type, so
-// the types stay the headers' own.
+// the types stay the headers' own. Where a driver lacks the newest symbol of a function whose
+// older one has the same type, the older one is taken (Note [Older driver symbols] in
+// cuda_api.cpp), so drivers of CUDA 12.0 and later open.
 //
 // Ownership: the loaded libraries are never closed (the driver may still run exit handlers).
 // Thread safety: loading is serialized and happens once it succeeds (a failure is retried by the

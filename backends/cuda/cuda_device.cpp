@@ -730,15 +730,8 @@ Allocation CudaAllocator::alloc_impl(std::size_t size, const BufferOptions& opti
   // and tries again.
   if (options.host) {
     // Pinned and mapped into every context: the staging ring's slots, zero-copy host buffers.
-    void* p = nullptr;
-    const auto alloc_host = [&] { return s.api.cuMemHostAlloc(&p, size, CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP); };
-    CUresult r = alloc_host();
-    // No waiting here: the staging ring grows under the submit mutex.
-    if (r == CUDA_ERROR_OUT_OF_MEMORY && device_.release_deferred() > 0) {
-      s.make_current();
-      r = alloc_host();
-    }
-    check(r, fmt::format("cuMemHostAlloc of {} bytes", size), s.name);
+    // No waiting for deferred memory: the staging ring grows under the submit mutex.
+    void* p = device_.alloc_pinned(size, "a pinned buffer");
     return Allocation{reinterpret_cast<std::uintptr_t>(p), size, pinned_tag()};
   }
   CUdeviceptr p = 0;
@@ -1106,6 +1099,19 @@ bool CudaHCQDevice::release_deferred_within(std::chrono::milliseconds timeout) {
     if (std::chrono::steady_clock::now() >= deadline) return false;
     std::this_thread::sleep_for(std::chrono::microseconds(200));
   }
+}
+
+void* CudaHCQDevice::alloc_pinned(std::size_t bytes, std::string_view what) {
+  const DeviceState& s = *state_;
+  s.make_current();
+  void* p = nullptr;
+  CUresult r = s.api.cuMemHostAlloc(&p, bytes, CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP);
+  if (r == CUDA_ERROR_OUT_OF_MEMORY && release_deferred() > 0) {
+    s.make_current();
+    r = s.api.cuMemHostAlloc(&p, bytes, CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP);
+  }
+  check(r, fmt::format("cuMemHostAlloc of {} bytes ({})", bytes, what), s.name);
+  return p;
 }
 
 std::size_t CudaHCQDevice::deferred_device_bytes() const {
@@ -1532,11 +1538,7 @@ CudaHCQDevice::HostCopies& CudaHCQDevice::host_copies_for(std::size_t bounce_byt
   release_host_copies();
   if (h.bounce.size < bounce_bytes) {
     const std::size_t bytes = std::bit_ceil(std::max(bounce_bytes, kMinBounceBytes));
-    const DeviceState& s = *state_;
-    s.make_current();
-    void* p = nullptr;
-    check(s.api.cuMemHostAlloc(&p, bytes, CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP),
-          fmt::format("cuMemHostAlloc of {} bytes (a stream {}'s bounce memory)", bytes, what), name());
+    void* p = alloc_pinned(bytes, fmt::format("a stream {}'s bounce memory", what));
     if (h.bounce.size) h.outgrown.push_back(h.bounce);
     h.bounce = Allocation{reinterpret_cast<std::uintptr_t>(p), bytes, CudaAllocator::pinned_tag()};
   }

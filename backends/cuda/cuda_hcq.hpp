@@ -274,6 +274,10 @@ class CudaHCQDevice final : public HCQCompiled<CudaComputeQueue, CudaCopyQueue> 
   bool release_deferred_within(std::chrono::milliseconds timeout);
   // The bytes of device memory whose release is deferred.
   std::size_t deferred_device_bytes() const;
+  // Pinned host memory mapped into every context (cuMemHostAlloc PORTABLE|DEVICEMAP), `bytes` of
+  // it for `what` (named in the error); a refused one is tried again once after the deferred
+  // releases were made, without waiting for them (callers may hold the submit mutex).
+  void* alloc_pinned(std::size_t bytes, std::string_view what);
   bool is_lane() const noexcept { return parent_ != nullptr; }
 
   // Every CUDA device's signals: pinned, device-mapped host memory all of them reach.

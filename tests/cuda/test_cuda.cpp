@@ -750,6 +750,40 @@ TEST_CASE("cuda fake: NVRTC newer than the driver and CUDA_DEVICE_MAX_CONNECTION
         0);
 }
 
+// Run by the 12.0 driver test below, with TINYDEV_CUDA_DRIVER naming the fake built as a CUDA 12.0
+// driver (no cuEventElapsedTime_v2, no cuFuncGetParamInfo): the device opens, a timed direct call
+// is timed through the older symbol, and kernel signatures are the caller's.
+TEST_CASE("cuda fake: 12.0 driver probe", "[.][probe][cuda-12.0-probe]") {
+  auto* dev = fake_hcq();
+  REQUIRE(dev);
+  CHECK_THAT(dev->properties().at("driver"), Catch::StartsWith("12.0 ("));
+  CHECK_FALSE(dev->capabilities().checks_signatures);
+  auto add = dev->load_kernel("add", kernels::add_f32(SourceLanguage::CUDA));
+  CHECK_FALSE(add->signature().has_value());
+  const std::size_t n = 1000 + fresh_seed() % 1000;
+  const auto x = random_floats(n, fresh_seed()), y = random_floats(n, fresh_seed());
+  Buffer a(dev->name(), n, dtypes::float32), b(dev->name(), n, dtypes::float32), o(dev->name(), n, dtypes::float32);
+  a.allocate().copyin(std::span<const float>(x));
+  b.allocate().copyin(std::span<const float>(y));
+  const Allocation bufs[] = {o.allocate().allocation(), a.allocation(), b.allocation()};
+  const std::int32_t vals[] = {static_cast<std::int32_t>(n)};
+  const long timed_before = fake_calls("cuEventElapsedTime");
+  const std::optional<double> seconds = (*add)(bufs, vals, LaunchParams{.global = {static_cast<unsigned>((n + 255) / 256), 1, 1},
+                                                                        .local = {256, 1, 1},
+                                                                        .wait = true});
+  REQUIRE(seconds.has_value());
+  CHECK(*seconds >= 0.0);
+  CHECK(fake_calls("cuEventElapsedTime") == timed_before + 1);
+  std::vector<float> out(n);
+  o.copyout(std::span<float>(out));
+  for (std::size_t i = 0; i < n; ++i) REQUIRE(out[i] == x[i] + y[i]);
+}
+
+TEST_CASE("cuda fake: a CUDA 12.0 driver (no cuEventElapsedTime_v2 or cuFuncGetParamInfo) opens and times calls", "[cuda][fake]") {
+  if (!fake_gpu()) return;
+  CHECK(run_probe("[cuda-12.0-probe]", {{"TINYDEV_CUDA_DRIVER", TINYDEV_TEST_FAKE_CUDA_12_0}}) == 0);
+}
+
 // Run by the time-limit test below with FAKE_CUDA_NO_MEMOPS=1 and FAKE_CUDA_KERNEL_TIME_LIMIT=1.
 TEST_CASE("cuda fake: kernel time limit probe", "[.][probe][cuda-time-limit-probe]") {
   std::vector<std::string> warnings;
@@ -2227,6 +2261,72 @@ TEST_CASE("cuda fake: memory freed while a stream waits on the GPU is given back
   b.copyout(std::span<float>(got));
   CHECK(got == x);
   dev->free_signal(gate);
+}
+
+// Run by the test below in a process of its own, so its stream's lane has only the bounce memory
+// its first copyin makes (64 KiB). Pinned memory freed while the stream waits on the GPU is
+// deferred; once the wait passed, a refused cuMemHostAlloc (a stream's larger bounce memory, then
+// a pinned buffer) gives the deferred memory back and succeeds on its second try.
+TEST_CASE("cuda fake: pinned retry probe", "[.][probe][cuda-pinned-retry-probe]") {
+  auto* dev = fake_hcq();
+  REQUIRE(dev);
+  auto* const limit_pinned = fake_function<void(std::size_t)>("fake_cuda_limit_pinned_bytes");
+  auto* const pinned_bytes = fake_function<std::size_t()>("fake_cuda_pinned_bytes");
+  Allocator& allocator = dev->allocator();
+  const BufferOptions pinned{.host = true, .nolru = true};
+  // Larger than the bounce the copyout below needs (at most 512 KiB).
+  const std::size_t big = (1u << 20) + (fresh_seed() % 256) * 4096;
+  Allocation first = allocator.alloc(big, pinned), second = allocator.alloc(big, pinned);
+  const std::size_t n = 256;
+  const std::size_t m = (96u << 10) + fresh_seed() % (24u << 10);  // floats: 384-480 KiB, past 64 KiB
+  const auto x = random_floats(n, fresh_seed()), y = random_floats(m, fresh_seed());
+  Buffer gated(dev->name(), n, dtypes::float32), source(dev->name(), m, dtypes::float32);
+  gated.allocate();
+  source.allocate().copyin(std::span<const float>(y));
+  // Every copy of this stream is queued, through its bounce memory (none staged through a ring).
+  auto stream = dev->create_stream(StreamOptions{.run_inline_when_idle = false});
+  const auto defer_while_gated = [&](Allocation& memory) {
+    Signal gate = dev->alloc_signal(0);
+    stream->wait(Event(gate, 1, nullptr));
+    Event copied = stream->copyin(gated, std::as_bytes(std::span(x)));
+    const std::size_t held = pinned_bytes();
+    CHECK(time_while_gated(gate, [&] { allocator.free(memory, big, pinned); }) < std::chrono::seconds(2));
+    CHECK(pinned_bytes() == held);  // deferred, not given back
+    limit_pinned(held + 4096);      // until it is, nothing past a page fits
+    gate.set(1);
+    copied.wait(std::chrono::seconds(10));
+    dev->free_signal(gate);
+  };
+
+  defer_while_gated(first);
+  long tries = fake_calls("cuMemHostAlloc");
+  std::vector<float> back(m);
+  stream->copyout(std::as_writable_bytes(std::span(back)), source).wait(std::chrono::seconds(10));
+  CHECK(fake_calls("cuMemHostAlloc") - tries == 2);  // refused, then made once `first` was given back
+  CHECK(back == y);
+  limit_pinned(0);
+
+  defer_while_gated(second);
+  tries = fake_calls("cuMemHostAlloc");
+  const std::size_t before = pinned_bytes();
+  Allocation third = allocator.alloc(big, pinned);
+  CHECK(fake_calls("cuMemHostAlloc") - tries == 2);
+  CHECK(pinned_bytes() == before);  // `second` went, `third` came
+  limit_pinned(0);
+  const auto data = random_bytes(1 << 12, fresh_seed());
+  allocator.copyin(third, data);
+  std::vector<std::byte> read(data.size());
+  allocator.copyout(read, third);
+  CHECK(read == data);
+  allocator.free(third, big, pinned);
+  std::vector<float> got(n);
+  gated.copyout(std::span<float>(got));
+  CHECK(got == x);
+}
+
+TEST_CASE("cuda fake: pinned memory a stream's wait deferred is given back when cuMemHostAlloc refuses - bounce memory and pinned buffers", "[cuda][fake]") {
+  if (!fake_gpu()) return;
+  CHECK(run_probe("[cuda-pinned-retry-probe]", {}) == 0);
 }
 
 TEST_CASE("cuda fake: a program dropped after a waited call on an idle device is unloaded at once", "[cuda][fake]") {

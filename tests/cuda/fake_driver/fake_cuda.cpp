@@ -32,6 +32,12 @@
 //    memory or module belongs to, as the driver may ("this API may perform implicit
 //    synchronization"): a free while a stream waits on a word only the caller will write hangs
 //    here as it can on a GPU. fake_cuda_calls("implicit synchronization") counts the waits.
+//  - built with FAKE_CUDA_DRIVER_12_0 (libtinydev_fake_cuda_12_0.so), it exports what a driver of
+//    CUDA 12.0 has: no cuFuncGetParamInfo (12.4), cuEventElapsedTime under its CUDA 2.0 symbol
+//    only (cuEventElapsedTime_v2 is 12.8's), and cuDriverGetVersion says 12000 unless
+//    FAKE_CUDA_DRIVER_VERSION says otherwise.
+//  fake_cuda_pinned_bytes() is the pinned host memory in use and fake_cuda_limit_pinned_bytes(n)
+//  makes cuMemHostAlloc refuse past n bytes (0: no limit).
 //  fake_cuda_peer_enabled(from, to) tells tests whether the backend enabled peer access, and
 //  fake_cuda_calls("cuGraphLaunch") how often a function was called.
 // Not a general emulator: what the backend does not call is not here.
@@ -457,6 +463,22 @@ extern "C" long fake_cuda_calls(const char* function) {
   return it == calls().end() ? 0 : it->second;
 }
 
+// Pinned host memory in use, in bytes (every context's), and a limit on it: past the limit,
+// cuMemHostAlloc is CUDA_ERROR_OUT_OF_MEMORY (0, the default, is no limit).
+namespace {
+std::atomic<std::size_t> g_pinned_limit{0};
+std::size_t pinned_bytes_locked() {  // caller holds g_mutex
+  std::size_t bytes = 0;
+  for (const auto& [address, size] : host_allocations()) bytes += size;
+  return bytes;
+}
+}  // namespace
+extern "C" std::size_t fake_cuda_pinned_bytes() {
+  std::lock_guard lock(g_mutex);
+  return pinned_bytes_locked();
+}
+extern "C" void fake_cuda_limit_pinned_bytes(std::size_t limit) { g_pinned_limit.store(limit); }
+
 // What tests ask the fake: whether the backend enabled device `from`'s access to `to`'s memory.
 extern "C" int fake_cuda_peer_enabled(int from, int to) {
   std::lock_guard lock(g_mutex);
@@ -484,7 +506,11 @@ CUresult CUDAAPI cuInit(unsigned int) {
 }
 
 CUresult CUDAAPI cuDriverGetVersion(int* version) {
+#if defined(FAKE_CUDA_DRIVER_12_0)
+  *version = static_cast<int>(env_number("FAKE_CUDA_DRIVER_VERSION", 12000));
+#else
   *version = static_cast<int>(env_number("FAKE_CUDA_DRIVER_VERSION", 13000));
+#endif
   return CUDA_SUCCESS;
 }
 
@@ -695,6 +721,8 @@ CUresult CUDAAPI cuMemHostAlloc(void** pointer, size_t size, unsigned int) {
   FAKE_INJECT(cuMemHostAlloc);
   if (!t_current) return CUDA_ERROR_INVALID_CONTEXT;  // pinned memory belongs to a context
   std::lock_guard lock(g_mutex);
+  if (const std::size_t limit = g_pinned_limit.load(); limit != 0 && pinned_bytes_locked() + size > limit)
+    return CUDA_ERROR_OUT_OF_MEMORY;
   void* p = std::aligned_alloc(4096, (std::max<std::size_t>(size, 1) + 4095) / 4096 * 4096);
   if (!p) return CUDA_ERROR_OUT_OF_MEMORY;
   host_allocations()[reinterpret_cast<std::uintptr_t>(p)] = size;
@@ -819,6 +847,7 @@ CUresult CUDAAPI cuModuleGetFunction(CUfunction* function, CUmodule module, cons
   return CUDA_SUCCESS;
 }
 
+#if !defined(FAKE_CUDA_DRIVER_12_0)
 // The offset and size of parameter `index` (CUDA 12.4's call; no call gives the count).
 CUresult CUDAAPI cuFuncGetParamInfo(CUfunction function, size_t index, size_t* offset, size_t* size) {
   FAKE_INJECT(cuFuncGetParamInfo);
@@ -836,6 +865,7 @@ CUresult CUDAAPI cuFuncGetParamInfo(CUfunction function, size_t index, size_t* o
   }
   return CUDA_SUCCESS;
 }
+#endif
 
 CUresult CUDAAPI cuLaunchKernel(CUfunction function, unsigned int gx, unsigned int gy, unsigned int gz,
                                 unsigned int bx, unsigned int by, unsigned int bz, unsigned int, CUstream stream,
@@ -978,7 +1008,11 @@ CUresult CUDAAPI cuEventSynchronize(CUevent event) {
   }
   return CUDA_SUCCESS;
 }
+#if defined(FAKE_CUDA_DRIVER_12_0)
+#undef cuEventElapsedTime  // a 12.0 driver has only the CUDA 2.0 symbol, not 12.8's cuEventElapsedTime_v2
+#endif
 CUresult CUDAAPI cuEventElapsedTime(float* ms, CUevent start, CUevent end) {
+  FAKE_INJECT(cuEventElapsedTime);
   auto* s = reinterpret_cast<FakeEvent*>(start);
   auto* e = reinterpret_cast<FakeEvent*>(end);
   std::scoped_lock lock(s->mutex, e->mutex);
