@@ -45,6 +45,14 @@ struct OlderSymbol {
 };
 constexpr OlderSymbol kOlderSymbols[] = {{"cuEventElapsedTime_v2", "cuEventElapsedTime"}};
 
+// The driver the table needs: checked symbol by symbol for headers up to CUDA 13.0; newer
+// headers may select newer symbols, and then the note is to be checked again.
+#if CUDA_VERSION <= 13000
+constexpr const char* kDriverNeeded = "CUDA 12.0 or later";
+#else
+constexpr const char* kDriverNeeded = "a CUDA version with every symbol these headers select";
+#endif
+
 // dlsym of `symbol`, else of its older symbol where Note [Older driver symbols] lists one.
 void* find_driver_symbol(void* handle, const char* symbol) {
   if (void* found = ::dlsym(handle, symbol)) return found;
@@ -63,12 +71,13 @@ std::string resolve(void* handle, Table& table, std::string_view library);
 
 template <>
 std::string resolve(void* handle, Driver& d, std::string_view library) {
-#define TINYDEV_CUDA_RESOLVE(name)                                                                           \
-  d.name = reinterpret_cast<decltype(d.name)>(find_driver_symbol(handle, TINYDEV_CUDA_SYMBOL(name)));          \
-  if (!d.name)                                                                                               \
-    return fmt::format("{} has no {}: tinydev (built with the CUDA {}.{} headers) needs a driver of CUDA 12.0 " \
-                       "or later; update the NVIDIA driver",                                                 \
-                       library, TINYDEV_CUDA_SYMBOL(name), CUDA_VERSION / 1000, CUDA_VERSION % 1000 / 10);
+#define TINYDEV_CUDA_RESOLVE(name)                                                                  \
+  d.name = reinterpret_cast<decltype(d.name)>(find_driver_symbol(handle, TINYDEV_CUDA_SYMBOL(name))); \
+  if (!d.name)                                                                                      \
+    return fmt::format("{} has no {}: tinydev (built with the CUDA {}.{} headers) needs a driver of {}; " \
+                       "update the NVIDIA driver",                                                  \
+                       library, TINYDEV_CUDA_SYMBOL(name), CUDA_VERSION / 1000, CUDA_VERSION % 1000 / 10, \
+                       kDriverNeeded);
   TINYDEV_CUDA_DRIVER_FUNCTIONS(TINYDEV_CUDA_RESOLVE)
 #undef TINYDEV_CUDA_RESOLVE
 #define TINYDEV_CUDA_RESOLVE_OPTIONAL(name) \

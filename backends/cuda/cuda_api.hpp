@@ -22,6 +22,17 @@
 #include <cuda.h>
 #include <nvrtc.h>
 
+// The table's types are those of the CUDA 12.0 headers or newer (CUDA_KERNEL_NODE_PARAMS_v2 and
+// the graph calls that take it are 12.0's).
+#if CUDA_VERSION < 12000
+#error "tinydev's CUDA backend needs the CUDA 12.0 headers or newer: set CUDA_PATH to a newer toolkit, or configure with -DTINYDEV_WITH_CUDA=OFF"
+#endif
+// Headers older than CUDA 12.4 do not declare cuFuncGetParamInfo, an optional function of the
+// table: declared here for its type only (it is resolved with dlsym, never linked).
+#if CUDA_VERSION < 12040
+extern "C" CUresult CUDAAPI cuFuncGetParamInfo(CUfunction func, size_t paramIndex, size_t* paramOffset, size_t* paramSize);
+#endif
+
 #include <string>
 #include <string_view>
 #include <vector>

@@ -1012,10 +1012,13 @@ bool wait_passes(const SignalSlot& slot, std::uint64_t value) noexcept {
 // allocator but the driver still holds it: a refused device allocation waits up to 500 ms for a
 // moment with no such wait (waits between streams pass by themselves), releases what was
 // deferred and retries; its OutOfMemory says how much is still deferred. A refused pinned one
-// (the staging ring's, under the submit mutex) releases what it can at once and retries. Left: a
-// submission from another thread between the check and the driver call can still hold that one
-// release (the window of one driver call); and at exit the context takes what is still deferred
-// along.
+// (a pinned buffer, or the staging ring's or a stream's bounce memory, made under the submit
+// mutex: CudaHCQDevice::alloc_pinned) releases what it can at once and retries. A GPU wait
+// another thread submits while a release is past its check is issued only once that release
+// returned (DriverReleaseWindow; the submission waits, its submit mutex held, for at most the
+// driver's own wait for kernels and copies): the record and the check both take pending_mutex_,
+// so either the release sees the record and is deferred, or the submission sees the release in
+// progress. At exit the context takes what is still deferred along.
 bool CudaHCQDevice::holds_unpassed_gpu_waits() const {
   std::lock_guard lock(pending_mutex_);
   return std::ranges::any_of(pending_, [](const PendingSubmission& p) {
@@ -1047,10 +1050,36 @@ void CudaHCQDevice::release_now(const DeferredRelease& release) const {
   }
 }
 
+// A thread between the check for GPU waits and the end of the driver releases it allowed, on the
+// context's device (Note [CUDA implicit synchronization]). Nests: a release may make the deferred
+// ones inside its own window.
+class DriverReleaseWindow {
+ public:
+  explicit DriverReleaseWindow(CudaHCQDevice& root) noexcept : root_(root) {
+    root_.driver_releases_in_progress_.fetch_add(1, std::memory_order_seq_cst);
+  }
+  ~DriverReleaseWindow() {
+    root_.driver_releases_in_progress_.fetch_sub(1, std::memory_order_seq_cst);
+    root_.driver_releases_in_progress_.notify_all();
+  }
+  DriverReleaseWindow(const DriverReleaseWindow&) = delete;
+  DriverReleaseWindow& operator=(const DriverReleaseWindow&) = delete;
+
+ private:
+  CudaHCQDevice& root_;
+};
+
+void CudaHCQDevice::wait_for_driver_releases() const noexcept {
+  const CudaHCQDevice& root = programs_device();
+  for (unsigned n; (n = root.driver_releases_in_progress_.load(std::memory_order_seq_cst)) != 0;)
+    root.driver_releases_in_progress_.wait(n, std::memory_order_seq_cst);
+}
+
 void CudaHCQDevice::release_when_unblocked(DriverRelease kind, std::uintptr_t handle, std::size_t bytes) {
   // At exit the context takes everything along; a forked child must not touch the parent's.
   if (state_->released.load() || !opened_in_this_process()) return;
   CudaHCQDevice& root = context_device();
+  const DriverReleaseWindow window(root);  // from before the check to after the driver call
   if (root.context_holds_gpu_waits()) {
     std::lock_guard lock(root.deferred_mutex_);
     root.deferred_.push_back(DeferredRelease{kind, handle, bytes});
@@ -1069,6 +1098,7 @@ std::size_t CudaHCQDevice::release_deferred() {
     std::lock_guard lock(root.deferred_mutex_);
     if (root.deferred_.empty()) return 0;
   }
+  const DriverReleaseWindow window(root);  // from before the check to after the driver calls
   if (root.context_holds_gpu_waits()) return 0;
   std::vector<DeferredRelease> ready;
   {
@@ -1394,6 +1424,9 @@ void CudaHCQDevice::submit_commands(CudaLane lane, std::span<const CudaCommand> 
       device.issued_gpu_waits(id, end);
     }
   } issued{*this, note_gpu_waits(lane, commands), commands.size(), i, batch_first, batched};
+  // A recorded GPU wait must not reach a stream while a free or unload that did not see the
+  // record is in the driver (Note [CUDA implicit synchronization]).
+  if (issued.id != 0) wait_for_driver_releases();
   // What the queue would still have signalled from command `from` on never comes (Note [CUDA
   // failures]).
   const auto poison_from = [&](std::size_t from, std::string_view reason) {

@@ -405,6 +405,13 @@ class CudaHCQDevice final : public HCQCompiled<CudaComputeQueue, CudaCopyQueue> 
   // On the context's device (context_device()): releases deferred (Note [CUDA implicit synchronization]).
   mutable std::mutex deferred_mutex_;
   std::vector<DeferredRelease> deferred_;
+  // On the context's device: how many threads are between the check for GPU waits and the end of
+  // the driver releases it allowed (DriverReleaseWindow in cuda_device.cpp). A submission with a
+  // GPU wait issues it only once none is, so it cannot hold a release already past its check.
+  std::atomic<unsigned> driver_releases_in_progress_{0};
+  friend class DriverReleaseWindow;
+  // Returns once no driver release of the context is past its check (submit_commands).
+  void wait_for_driver_releases() const noexcept;
   // Profiling spans around stream work (each returns a CUresult; see cuda_device.cpp).
   int begin_span(std::optional<ProfileRecord>& span, std::string_view name, void* stream);
   int end_span(std::optional<ProfileRecord>& span, void* stream);

@@ -2263,6 +2263,51 @@ TEST_CASE("cuda fake: memory freed while a stream waits on the GPU is given back
   dev->free_signal(gate);
 }
 
+TEST_CASE("cuda fake: a GPU wait submitted while a free is inside the driver reaches the GPU only after it - the free is not held", "[cuda][fake]") {
+  auto* dev = fake_hcq();
+  if (!dev) return;
+  auto* const hold = fake_function<void(int)>("fake_cuda_hold_implicit_synchronization");
+  Allocator& allocator = dev->allocator();
+  const BufferOptions direct{.nolru = true};
+  const std::size_t bytes = (1u << 20) + (fresh_seed() % 256) * 4096;
+  Allocation memory = allocator.alloc(bytes, direct);
+  const std::size_t n = 1024;
+  const auto x = random_floats(n, fresh_seed());
+  Buffer b(dev->name(), n, dtypes::float32);
+  b.allocate();
+  auto stream = dev->create_stream();
+  Signal gate = dev->alloc_signal(0);
+  dev->synchronize();  // no stream waits on the GPU: the free below is made at once
+  const long held_before = fake_calls("held implicit synchronization");
+  hold(1);
+  // The free passes its check for GPU waits and stops in the driver, before it looks at the streams.
+  std::thread freer([&] { allocator.free(memory, bytes, direct); });
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (fake_calls("held implicit synchronization") == held_before && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  REQUIRE(fake_calls("held implicit synchronization") > held_before);
+  std::thread unhold([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    hold(0);
+  });
+  std::optional<Event> copied;
+  // Were the wait issued now, the free would wait for the gate (until the watchdog opens it).
+  const auto took = time_while_gated(gate, [&] {
+    stream->wait(Event(gate, 1, nullptr));
+    copied = stream->copyin(b, std::as_bytes(std::span(x)));
+    freer.join();
+  });
+  unhold.join();
+  CHECK(took < std::chrono::seconds(2));
+  CHECK_FALSE(copied->query());  // the wait was issued, and holds the copy
+  gate.set(1);
+  copied->wait(std::chrono::seconds(10));
+  std::vector<float> got(n);
+  b.copyout(std::span<float>(got));
+  CHECK(got == x);
+  dev->free_signal(gate);
+}
+
 // Run by the test below in a process of its own, so its stream's lane has only the bounce memory
 // its first copyin makes (64 KiB). Pinned memory freed while the stream waits on the GPU is
 // deferred; once the wait passed, a refused cuMemHostAlloc (a stream's larger bounce memory, then

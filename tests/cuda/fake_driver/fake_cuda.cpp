@@ -38,6 +38,8 @@
 //    FAKE_CUDA_DRIVER_VERSION says otherwise.
 //  fake_cuda_pinned_bytes() is the pinned host memory in use and fake_cuda_limit_pinned_bytes(n)
 //  makes cuMemHostAlloc refuse past n bytes (0: no limit).
+//  fake_cuda_hold_implicit_synchronization(1) holds those implicit synchronizations before they
+//  look at the streams, until it is called with 0.
 //  fake_cuda_peer_enabled(from, to) tells tests whether the backend enabled peer access, and
 //  fake_cuda_calls("cuGraphLaunch") how often a function was called.
 // Not a general emulator: what the backend does not call is not here.
@@ -297,11 +299,23 @@ void synchronize_streams(FakeDevice& device) {
   }
   for (FakeStream* s : streams) s->synchronize();
 }
+// Tests hold implicit synchronizations before they start (fake_cuda_hold_implicit_synchronization),
+// to submit work while a free is inside the driver.
+std::mutex g_hold_mutex;
+std::condition_variable g_hold_changed;
+bool g_hold = false;
+void wait_while_held() {
+  std::unique_lock lock(g_hold_mutex);
+  if (!g_hold) return;
+  count_call("held implicit synchronization");
+  g_hold_changed.wait(lock, [] { return !g_hold; });
+}
 // What cuMemFree, cuMemFreeHost and cuModuleUnload do before they free (the driver may
 // synchronize the context; the fake always does).
 void synchronize_implicitly(FakeDevice* device) {
   if (!device) return;
   count_call("implicit synchronization");
+  wait_while_held();
   synchronize_streams(*device);
 }
 
@@ -478,6 +492,17 @@ extern "C" std::size_t fake_cuda_pinned_bytes() {
   return pinned_bytes_locked();
 }
 extern "C" void fake_cuda_limit_pinned_bytes(std::size_t limit) { g_pinned_limit.store(limit); }
+
+// What tests ask the fake: while `hold` is nonzero, an implicit synchronization (cuMemFree,
+// cuMemFreeHost, cuModuleUnload) waits before it looks at the streams; fake_cuda_calls("held
+// implicit synchronization") counts the ones that waited.
+extern "C" void fake_cuda_hold_implicit_synchronization(int hold) {
+  {
+    std::lock_guard lock(g_hold_mutex);
+    g_hold = hold != 0;
+  }
+  g_hold_changed.notify_all();
+}
 
 // What tests ask the fake: whether the backend enabled device `from`'s access to `to`'s memory.
 extern "C" int fake_cuda_peer_enabled(int from, int to) {
