@@ -1012,13 +1012,14 @@ bool wait_passes(const SignalSlot& slot, std::uint64_t value) noexcept {
 // allocator but the driver still holds it: a refused device allocation waits up to 500 ms for a
 // moment with no such wait (waits between streams pass by themselves), releases what was
 // deferred and retries; its OutOfMemory says how much is still deferred. A refused pinned one
-// (a pinned buffer, or the staging ring's or a stream's bounce memory, made under the submit
-// mutex: CudaHCQDevice::alloc_pinned) releases what it can at once and retries. A GPU wait
+// (a pinned buffer, or the staging ring's or a stream's bounce memory, the last two made under
+// the submit mutex: CudaHCQDevice::alloc_pinned) releases what it can at once and retries. A GPU wait
 // another thread submits while a release is past its check is issued only once that release
-// returned (DriverReleaseWindow; the submission waits, its submit mutex held, for at most the
-// driver's own wait for kernels and copies): the record and the check both take pending_mutex_,
-// so either the release sees the record and is deferred, or the submission sees the release in
-// progress. At exit the context takes what is still deferred along.
+// returned (DriverReleaseWindow; the submission waits, its submit mutex held, for the releases
+// in the driver then, each waiting for kernels and copies alone; not for later ones, which see
+// its record): the record and the check both take the lane's pending_mutex_, so either the
+// release sees the record and is deferred, or the submission sees the release in progress. At
+// exit the context takes what is still deferred along.
 bool CudaHCQDevice::holds_unpassed_gpu_waits() const {
   std::lock_guard lock(pending_mutex_);
   return std::ranges::any_of(pending_, [](const PendingSubmission& p) {
@@ -1055,24 +1056,40 @@ void CudaHCQDevice::release_now(const DeferredRelease& release) const {
 // ones inside its own window.
 class DriverReleaseWindow {
  public:
-  explicit DriverReleaseWindow(CudaHCQDevice& root) noexcept : root_(root) {
-    root_.driver_releases_in_progress_.fetch_add(1, std::memory_order_seq_cst);
+  explicit DriverReleaseWindow(CudaHCQDevice& root) : windows_(root.release_windows_) {
+    std::lock_guard lock(windows_.mutex);
+    ticket_ = ++windows_.last_ticket;
+    windows_.open_tickets.push_back(ticket_);
+    windows_.open.fetch_add(1, std::memory_order_seq_cst);  // before the check
   }
   ~DriverReleaseWindow() {
-    root_.driver_releases_in_progress_.fetch_sub(1, std::memory_order_seq_cst);
-    root_.driver_releases_in_progress_.notify_all();
+    {
+      std::lock_guard lock(windows_.mutex);
+      std::erase(windows_.open_tickets, ticket_);
+      windows_.open.fetch_sub(1, std::memory_order_seq_cst);
+    }
+    windows_.closed.notify_all();
   }
   DriverReleaseWindow(const DriverReleaseWindow&) = delete;
   DriverReleaseWindow& operator=(const DriverReleaseWindow&) = delete;
 
  private:
-  CudaHCQDevice& root_;
+  CudaHCQDevice::ReleaseWindows& windows_;
+  std::uint64_t ticket_ = 0;
 };
 
-void CudaHCQDevice::wait_for_driver_releases() const noexcept {
-  const CudaHCQDevice& root = programs_device();
-  for (unsigned n; (n = root.driver_releases_in_progress_.load(std::memory_order_seq_cst)) != 0;)
-    root.driver_releases_in_progress_.wait(n, std::memory_order_seq_cst);
+void CudaHCQDevice::wait_for_driver_releases() const {
+  ReleaseWindows& windows = programs_device().release_windows_;
+  // After the record (its lane's pending_mutex_): a window this misses sees the record.
+  if (windows.open.load(std::memory_order_seq_cst) == 0) [[likely]]
+    return;
+  std::unique_lock lock(windows.mutex);
+  // Only the windows open now: a later one sees the record and defers, so a stream of frees
+  // cannot keep this waiting.
+  const std::uint64_t last = windows.last_ticket;
+  windows.closed.wait(lock, [&] {
+    return std::ranges::none_of(windows.open_tickets, [&](std::uint64_t ticket) { return ticket <= last; });
+  });
 }
 
 void CudaHCQDevice::release_when_unblocked(DriverRelease kind, std::uintptr_t handle, std::size_t bytes) {

@@ -36,6 +36,7 @@
 #include <array>
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
 #include <deque>
@@ -405,13 +406,22 @@ class CudaHCQDevice final : public HCQCompiled<CudaComputeQueue, CudaCopyQueue> 
   // On the context's device (context_device()): releases deferred (Note [CUDA implicit synchronization]).
   mutable std::mutex deferred_mutex_;
   std::vector<DeferredRelease> deferred_;
-  // On the context's device: how many threads are between the check for GPU waits and the end of
-  // the driver releases it allowed (DriverReleaseWindow in cuda_device.cpp). A submission with a
-  // GPU wait issues it only once none is, so it cannot hold a release already past its check.
-  std::atomic<unsigned> driver_releases_in_progress_{0};
+  // On the context's device: the threads between the check for GPU waits and the end of the
+  // driver releases it allowed (DriverReleaseWindow in cuda_device.cpp), each by a ticket. A
+  // submission with a GPU wait issues it only once the windows open when it recorded the wait
+  // closed, so it cannot hold a release already past its check; later windows see its record.
+  struct ReleaseWindows {
+    std::atomic<unsigned> open{0};  // how many are open: a submission's fast path reads it alone
+    std::mutex mutex;
+    std::condition_variable closed;
+    std::uint64_t last_ticket = 0;             // under mutex
+    std::vector<std::uint64_t> open_tickets;   // under mutex
+  };
+  mutable ReleaseWindows release_windows_;
   friend class DriverReleaseWindow;
-  // Returns once no driver release of the context is past its check (submit_commands).
-  void wait_for_driver_releases() const noexcept;
+  // Returns once the driver releases of the context past their check now have returned
+  // (submit_commands, after recording its GPU waits).
+  void wait_for_driver_releases() const;
   // Profiling spans around stream work (each returns a CUresult; see cuda_device.cpp).
   int begin_span(std::optional<ProfileRecord>& span, std::string_view name, void* stream);
   int end_span(std::optional<ProfileRecord>& span, void* stream);

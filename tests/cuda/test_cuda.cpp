@@ -2279,25 +2279,42 @@ TEST_CASE("cuda fake: a GPU wait submitted while a free is inside the driver rea
   Signal gate = dev->alloc_signal(0);
   dev->synchronize();  // no stream waits on the GPU: the free below is made at once
   const long held_before = fake_calls("held implicit synchronization");
+  std::atomic<bool> submitting{false};
+  std::thread freer, unhold;
+  // Whatever fails below, the fake lets go and the threads end before the test does.
+  struct Cleanup {
+    void (*hold)(int);
+    std::atomic<bool>& submitting;
+    std::thread& freer;
+    std::thread& unhold;
+    ~Cleanup() {
+      submitting.store(true);
+      if (unhold.joinable()) unhold.join();
+      hold(0);
+      if (freer.joinable()) freer.join();
+    }
+  } cleanup{hold, submitting, freer, unhold};
   hold(1);
   // The free passes its check for GPU waits and stops in the driver, before it looks at the streams.
-  std::thread freer([&] { allocator.free(memory, bytes, direct); });
+  freer = std::thread([&] { allocator.free(memory, bytes, direct); });
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
   while (fake_calls("held implicit synchronization") == held_before && std::chrono::steady_clock::now() < deadline)
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   REQUIRE(fake_calls("held implicit synchronization") > held_before);
-  std::thread unhold([&] {
+  // The fake lets the free go 100 ms after the wait below is being submitted.
+  unhold = std::thread([&] {
+    while (!submitting.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
     hold(0);
   });
   std::optional<Event> copied;
   // Were the wait issued now, the free would wait for the gate (until the watchdog opens it).
   const auto took = time_while_gated(gate, [&] {
+    submitting.store(true);
     stream->wait(Event(gate, 1, nullptr));
     copied = stream->copyin(b, std::as_bytes(std::span(x)));
     freer.join();
   });
-  unhold.join();
   CHECK(took < std::chrono::seconds(2));
   CHECK_FALSE(copied->query());  // the wait was issued, and holds the copy
   gate.set(1);
