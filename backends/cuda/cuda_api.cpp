@@ -42,8 +42,9 @@ void* open_first(const std::vector<std::string>& candidates, std::string& opened
 struct OlderSymbol {
   std::string_view header_symbol;  // what the headers select
   const char* older;               // the same function's older symbol, of the same type
+  const char* header_symbol_since;  // the first CUDA whose drivers export header_symbol
 };
-constexpr OlderSymbol kOlderSymbols[] = {{"cuEventElapsedTime_v2", "cuEventElapsedTime"}};
+constexpr OlderSymbol kOlderSymbols[] = {{"cuEventElapsedTime_v2", "cuEventElapsedTime", "12.8"}};
 
 // The driver the table needs: checked symbol by symbol for headers up to CUDA 13.0; newer
 // headers may select newer symbols, and then the note is to be checked again.
@@ -59,7 +60,9 @@ void* find_driver_symbol(void* handle, const char* symbol) {
   for (const OlderSymbol& older : kOlderSymbols) {
     if (older.header_symbol != symbol) continue;
     void* found = ::dlsym(handle, older.older);
-    if (found) debug_log(1, "CUDA", "the driver has no {} (CUDA 12.8 and later): using {}", symbol, older.older);
+    if (found)
+      debug_log(1, "CUDA", "the driver has no {} (CUDA {} and later): using {}", symbol, older.header_symbol_since,
+                older.older);
     return found;
   }
   return nullptr;

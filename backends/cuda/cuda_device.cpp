@@ -1152,10 +1152,11 @@ void* CudaHCQDevice::alloc_pinned(std::size_t bytes, std::string_view what) {
   const DeviceState& s = *state_;
   s.make_current();
   void* p = nullptr;
-  CUresult r = s.api.cuMemHostAlloc(&p, bytes, CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP);
+  const auto alloc = [&] { return s.api.cuMemHostAlloc(&p, bytes, CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP); };
+  CUresult r = alloc();
   if (r == CUDA_ERROR_OUT_OF_MEMORY && release_deferred() > 0) {
-    s.make_current();
-    r = s.api.cuMemHostAlloc(&p, bytes, CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP);
+    s.make_current();  // the releases may have switched contexts
+    r = alloc();
   }
   check(r, fmt::format("cuMemHostAlloc of {} bytes ({})", bytes, what), s.name);
   return p;
