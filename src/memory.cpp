@@ -311,13 +311,13 @@ Allocation LRUAllocator::alloc(std::size_t size, const BufferOptions& options) {
     return fresh();
   } catch (const OutOfMemory& e) {
     throw OutOfMemory(fmt::format(
-        "{}: out of memory allocating {} bytes, even after freeing {} cached bytes and "
-        "retrying: free buffers you no longer need or lower the batch size ({})",
+        "{}: out of memory allocating {} bytes, even after handing {} cached bytes back to the "
+        "backend and retrying: free buffers you no longer need or lower the batch size ({})",
         describe(), size, dropped, e.what()));
   } catch (const std::bad_alloc&) {
     throw OutOfMemory(fmt::format(
-        "{}: out of memory allocating {} bytes, even after freeing {} cached bytes and "
-        "retrying: free buffers you no longer need or lower the batch size",
+        "{}: out of memory allocating {} bytes, even after handing {} cached bytes back to the "
+        "backend and retrying: free buffers you no longer need or lower the batch size",
         describe(), size, dropped));
   }
 }

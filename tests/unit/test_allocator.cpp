@@ -82,7 +82,7 @@ TEST_CASE("lru: out of memory frees the cache and retries once", "[allocator]") 
   CHECK(a.stats().bytes_cached == 0);
   // Still too big after dropping everything: OutOfMemory, and the live allocation is untouched.
   CHECK_THROWS_AS(a.alloc(9000), OutOfMemory);
-  CHECK_THROWS_WITH(a.alloc(9000), Catch::Contains("even after freeing"));
+  CHECK_THROWS_WITH(a.alloc(9000), Catch::Contains("even after handing"));
   CHECK(a.live_bytes == 5000);
   a.free(y, 5000);
 }
