@@ -83,7 +83,7 @@ class CudaStream final : public HCQLaneStream<CudaHCQDevice> {
   // is held.
   bool runs_on_caller() {
     lane_.release_host_copies();
-    std::erase_if(waits_, [](const auto& w) { return w.first.slot().value.load(std::memory_order_acquire) >= w.second; });
+    drop_passed_waits();
     return copy_inline_when_idle_ && waits_.empty() && lane_.idle();
   }
   const bool copy_inline_when_idle_;  // StreamOptions::run_inline_when_idle

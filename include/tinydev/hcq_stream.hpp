@@ -411,6 +411,17 @@ class HCQLaneStream : public Stream {
     const std::uint64_t reached = lane_.timeline_signal().value();
     while (!held_.empty() && held_.front().value <= reached) held_.pop_front();
   }
+  // Drops the event waits that passed (the caller may then run work on itself, ordered by
+  // nothing). A wait whose signal reached its value only after a poison did not pass (Note [Events
+  // after a poison]): it stays, so the submission it goes into fails as a queued wait would, and
+  // the stream's work after it does too. The value is read before the poison flag. The submit
+  // mutex is held.
+  void drop_passed_waits() {
+    std::erase_if(waits_, [](const std::pair<Signal, std::uint64_t>& wait) {
+      const SignalSlot& slot = wait.first.slot();
+      return slot.value.load(std::memory_order_acquire) >= wait.second && !poison_failed(slot, wait.second);
+    });
+  }
   // Event waits not yet part of a submission go in one of their own (before work that records its
   // own queues: staged copies, graphs, transfers).
   void flush_waits() {

@@ -102,9 +102,7 @@ class CpuStream final : public HCQLaneStream<CpuHCQDevice> {
   // the waits), and everything before it finished. Otherwise it goes to the lane's workers.
   bool runs_here(std::uint64_t value) {
     if (!options_.run_inline_when_idle) return false;
-    std::erase_if(waits_, [](const auto& wait) {
-      return wait.first.slot().value.load(std::memory_order_acquire) >= wait.second;
-    });
+    drop_passed_waits();
     return waits_.empty() && lane_.timeline_signal().slot().value.load(std::memory_order_acquire) + 1 >= value;
   }
   // The work of `value` ran on the caller: the timeline reaches it, as a queue's signal would.

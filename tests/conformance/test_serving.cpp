@@ -228,6 +228,45 @@ TEST_CASE("serving: a stream's copyout does not wait for another stream's work a
   }, kHcqKernels);
 }
 
+TEST_CASE("serving: an event whose signal reached it only after a poison is no success for a stream that runs work on the caller",
+          "[serving]") {
+  for_each_hcq_device([](auto& dev) {
+    auto add = load_add(dev);
+    const std::size_t n = 64 + fresh_seed() % 200;
+    AddOperands ops(dev, n);
+    for (const bool copy : {true, false}) {
+      INFO((copy ? "copyout" : "launch"));
+      // An idle stream that runs work on the caller when it can (CPU: copies and launches; CUDA:
+      // copyouts through the staging ring; a queued launch must fail all the same).
+      auto stream = dev.create_stream(StreamOptions{.run_inline_when_idle = true});
+      // Upstream work (another stream's, say) fails at 4 while this stream waits for 5, and work
+      // queued there before the failure writes 5 afterwards (Note [Events after a poison]).
+      Signal upstream = dev.alloc_signal(3);
+      stream->wait(Event(upstream, 5, nullptr));
+      upstream.set(4);
+      const std::string reason = "the upstream work failed " + std::to_string(fresh_seed());
+      upstream.poison(reason);
+      upstream.set(5);
+      REQUIRE_THROWS_AS(Event(upstream, 5, nullptr).query(), DeviceFault);
+      std::vector<float> back(n);
+      const auto noise = random_floats(n, fresh_seed());
+      back = noise;
+      Event done = copy ? stream->copyout(bytes_of(back), ops.ba) : launch_add(*stream, add, ops.out, ops.ba, ops.bb, n);
+      // The work depends on what failed: its Event fails, as it would had it been queued.
+      CHECK_THROWS_WITH(done.wait(5000ms), Catch::Contains(reason));
+      CHECK_THROWS_AS(stream->synchronize(), DeviceFault);
+      CHECK_FALSE(stream->fault().empty());
+      // The stream recovers and its work runs again.
+      stream->recover();
+      CHECK(stream->fault().empty());
+      launch_add(*stream, add, ops.out, ops.ba, ops.bb, n);
+      stream->copyout(bytes_of(back), ops.out).wait(5000ms);
+      CHECK(back == add_reference(ops.a, ops.b));
+      dev.free_signal(upstream);
+    }
+  }, kHcqKernels);
+}
+
 TEST_CASE("serving: a stream dropped before its work finished frees nothing under it and its lane comes back once the work finished",
           "[serving]") {
   for_each_hcq_device([](auto& dev) {
