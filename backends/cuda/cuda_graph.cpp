@@ -84,9 +84,16 @@ class CudaGraph final : public Graph {
   ~CudaGraph() override {
     const DeviceState& s = device_.state();
     if (s.released.load()) return;  // at exit the context took the graph along
+    // A forked child's copy is the parent's: no wait (the child sees no progress) and no driver
+    // call (Note [Devices and fork]); the child's memory goes with it.
+    if (!device_.opened_in_this_process()) return;
     try {
-      // A replay may still run: wait for it.
-      if (replayed_) device_.wait_timeline_reached(device_.last_submitted_value());
+      // The last replay may still run: wait for the timeline value covering it (signalled by now,
+      // or by last_submitted_value(): Note [Lazy timeline signals]), not for the device's later
+      // work, which may wait for something this thread is yet to do.
+      if (last_replay_value_ != 0 &&
+          device_.timeline_slot()->value.load(std::memory_order_acquire) < last_replay_value_)
+        device_.wait_timeline_reached(std::min(last_replay_value_, device_.last_submitted_value()));
     } catch (const std::exception&) {
       // The device failed, but a replay queued before may still run (Note [CUDA waits on failed
       // signals]), and the programs this graph holds go with it: wait for the queues to drain
@@ -101,6 +108,7 @@ class CudaGraph final : public Graph {
   std::optional<double> replay(std::span<const Allocation> inputs, std::span<const std::int32_t> variables,
                                bool wait) override {
     check_replay(inputs, variables);
+    device_.check_usable();  // before the lock: a forked child's may be held by a parent's thread
     std::lock_guard lock(device_.submit_mutex());
     device_.throw_if_failed();
     const DeviceState& s = device_.state();
@@ -109,10 +117,9 @@ class CudaGraph final : public Graph {
     Instance& instance = instance_for(inputs, variables);
     const CUgraphExec exec = instance.exec;
     auto work = [&](void* stream) { return static_cast<int>(s.api.cuGraphLaunch(exec, static_cast<CUstream>(stream))); };
-    const std::optional<double> seconds = device_.run_ordered(work, launch_what_, wait);
     instance.launched = ++launches_;
-    replayed_ = true;
-    return seconds;
+    const ReplayMark mark(*this);  // also when a timed replay's wait throws: it was launched
+    return device_.run_ordered(work, launch_what_, wait);
   }
 
  private:
@@ -120,6 +127,7 @@ class CudaGraph final : public Graph {
   std::optional<double> replay_node_by_node(std::span<const Allocation> inputs, std::span<const std::int32_t> variables,
                                             bool wait) {
     const DeviceState& s = device_.state();
+    const ReplayMark mark(*this);
     double seconds = 0;
     for (const GraphNode& node : nodes_) {
       std::optional<double> t;
@@ -143,7 +151,6 @@ class CudaGraph final : public Graph {
                                 fmt::format("copy {} bytes", c.size));
       }
       seconds += t.value_or(0);
-      replayed_ = true;
     }
     if (!wait) return std::nullopt;
     return seconds;
@@ -515,7 +522,14 @@ class CudaGraph final : public Graph {
   std::vector<std::byte> scratch_;  // patch's packing buffer
   std::array<std::uint64_t, kRecentInputSets> recent_{};  // the last replays' key_of
   std::size_t recent_next_ = 0;
-  bool replayed_ = false;
+  // A timeline value at or after the last replay's work (0: never replayed); the submit mutex
+  // is held when it is written. The destructor waits for it.
+  std::uint64_t last_replay_value_ = 0;
+  struct ReplayMark {
+    CudaGraph& graph;
+    // Read once the replay's work was given to the driver (or failed): at least the value covering it.
+    ~ReplayMark() { graph.last_replay_value_ = graph.device_.timeline_value(); }
+  };
   std::string launch_what_ = fmt::format("launching a graph of {} nodes", nodes_.size());
 };
 

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <future>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -460,6 +461,36 @@ TEST_CASE("serving: 4 clients with a stream each make 1000 requests each and eve
   }, kHcqKernels);
 }
 
+TEST_CASE("serving: dropping a graph waits for its last replay and not for the device's work queued after it",
+          "[serving]") {
+  for_each_hcq_device([](auto& dev) {
+    auto add = load_add(dev);
+    const std::size_t n = 64 + fresh_seed() % 200;
+    AddOperands operands(dev, n);
+    auto& [a, b, ba, bb, out] = operands;
+    std::vector<GraphNode> nodes;
+    nodes.push_back(GraphKernel{add, {GraphBuffer::in(0), GraphBuffer::in(1), GraphBuffer::in(2)},
+                                {GraphValue::of(static_cast<std::int32_t>(n))}});
+    auto graph = dev.create_graph(nodes);
+    const Allocation args[] = {out.allocation(), ba.allocation(), bb.allocation()};
+    graph->replay(args, {}, /*wait=*/false);
+    // Work after the replay waits for a gate this thread opens only once the graph is gone.
+    Signal gate = dev.alloc_signal(0);
+    submit_ordered(dev, [&](auto& q) { q.wait(gate, 1); });
+    auto dropped = std::async(std::launch::async, [&] { graph.reset(); });
+    // A drop waiting for the gated work would wait 30 s for it; the replay ends in microseconds.
+    const bool returned = dropped.wait_for(10s) == std::future_status::ready;
+    gate.set(1);
+    dropped.wait();
+    CHECK(returned);
+    dev.synchronize();
+    std::vector<float> back(n);
+    out.copyout(bytes_of(back));
+    CHECK(back == add_reference(a, b));
+    dev.free_signal(gate);
+  }, kHcqKernels);
+}
+
 TEST_CASE("serving: a device opened before fork is a ForkedDevice error in the child and the parent goes on",
           "[serving]") {
   for_each_hcq_device([](auto& dev) {
@@ -469,6 +500,13 @@ TEST_CASE("serving: a device opened before fork is a ForkedDevice error in the c
     auto& [a, b, ba, bb, out] = operands;
     const Allocation args[] = {out.allocation(), ba.allocation(), bb.allocation()};
     const std::int32_t values[] = {static_cast<std::int32_t>(n)};
+    // A graph replayed before the fork (out = a + b): the child must neither replay it nor touch
+    // the driver when it drops it.
+    std::vector<GraphNode> nodes;
+    nodes.push_back(GraphKernel{add, {GraphBuffer::in(0), GraphBuffer::in(1), GraphBuffer::in(2)},
+                                {GraphValue::of(static_cast<std::int32_t>(n))}});
+    auto graph = dev.create_graph(nodes);
+    REQUIRE(graph->replay(args, {}, /*wait=*/true));
     // Another thread keeps submitting while we fork.
     std::atomic<bool> stop{false};
     std::atomic<int> submitted{0};
@@ -488,7 +526,9 @@ TEST_CASE("serving: a device opened before fork is a ForkedDevice error in the c
       const pid_t pid = fork();
       REQUIRE(pid >= 0);
       if (pid == 0) {
-        // The child: every use is a ForkedDevice naming the fork; nothing hangs, nothing is silent.
+        // The child: every use is a ForkedDevice naming the fork; nothing hangs (the alarm ends a
+        // child that does), nothing is silent.
+        alarm(60);
         int failures = 0;
         auto expect_forked = [&](auto&& call) {
           try {
@@ -510,6 +550,9 @@ TEST_CASE("serving: a device opened before fork is a ForkedDevice error in the c
         expect_forked([&] { dev.synchronize(); });
         expect_forked([&] { dev.create_stream(); });
         expect_forked([&] { dev.compute_queue().signal(dev.timeline_signal(), 1).submit(dev); });
+        expect_forked([&] { graph->replay(args, {}, /*wait=*/true); });
+        expect_forked([&] { graph->replay(args, {}, /*wait=*/false); });
+        graph.reset();  // the parent's: left as it is
         _exit(failures == 0 ? 0 : 10 + failures);
       }
       int status = 0;
@@ -525,6 +568,12 @@ TEST_CASE("serving: a device opened before fork is a ForkedDevice error in the c
     (*add)(args, values);
     out.copyout(bytes_of(back));
     CHECK(back == add_reference(a, b));
+    // Its graph too, on fresh inputs.
+    const auto fresh_a = random_floats(n, fresh_seed());
+    ba.copyin(bytes_of(fresh_a));
+    graph->replay(args, {}, /*wait=*/true);
+    out.copyout(bytes_of(back));
+    CHECK(back == add_reference(fresh_a, b));
   }, kHcqKernels);
 }
 
