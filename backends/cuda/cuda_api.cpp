@@ -94,7 +94,10 @@ template <>
 std::string resolve(void* handle, Nvrtc& n, std::string_view library) {
 #define TINYDEV_CUDA_RESOLVE(name)                                                        \
   n.name = reinterpret_cast<decltype(n.name)>(::dlsym(handle, TINYDEV_CUDA_SYMBOL(name))); \
-  if (!n.name) return fmt::format("{} has no {}", library, TINYDEV_CUDA_SYMBOL(name));
+  if (!n.name)                                                                           \
+    return fmt::format("{} has no {}: it is not CUDA 12's or 13's NVRTC; install one, or point " \
+                       "TINYDEV_CUDA_NVRTC at its libnvrtc.so",                               \
+                       library, TINYDEV_CUDA_SYMBOL(name));
   TINYDEV_NVRTC_FUNCTIONS(TINYDEV_CUDA_RESOLVE)
 #undef TINYDEV_CUDA_RESOLVE
   return "";
@@ -166,8 +169,10 @@ const Driver& driver() {
                                 : fmt::format("CUDA: TINYDEV_CUDA_DRIVER='{}' cannot be opened ({})",
                                               quote_for_message(configured), errors.substr(3)));
   Driver loaded;
-  if (std::string missing = resolve(handle, loaded, opened); !missing.empty())
+  if (std::string missing = resolve(handle, loaded, opened); !missing.empty()) {
+    ::dlclose(handle);  // not the driver: nothing of it is kept
     throw DeviceUnavailable("CUDA: " + missing);
+  }
   loaded.path = opened;
   if (const CUresult r = loaded.cuInit(0); r != CUDA_SUCCESS) {
     throw DeviceUnavailable(fmt::format("CUDA: the driver ({}) did not initialize: cuInit: {}{}", opened,
@@ -246,10 +251,21 @@ const Nvrtc& nvrtc() {
                           "12 or 13, or unset it",
                           quote_for_message(configured), errors.substr(3)));
   Nvrtc loaded;
-  if (std::string missing = resolve(handle, loaded, opened); !missing.empty())
+  if (std::string missing = resolve(handle, loaded, opened); !missing.empty()) {
+    ::dlclose(handle);
     throw DeviceUnavailable("CUDA: " + missing);
+  }
   loaded.path = opened;
-  loaded.nvrtcVersion(&loaded.major, &loaded.minor);
+  // The version is in the compile cache's key and decides the choices above: one that cannot be
+  // read, or an NVRTC older than 12 (whose output and options tinydev does not know), is refused.
+  if (const nvrtcResult r = loaded.nvrtcVersion(&loaded.major, &loaded.minor); r != NVRTC_SUCCESS || loaded.major < 12) {
+    const std::string found = r != NVRTC_SUCCESS ? fmt::format("nvrtcVersion failed ({})", static_cast<int>(r))
+                                                 : fmt::format("it is NVRTC {}.{}", loaded.major, loaded.minor);
+    ::dlclose(handle);
+    throw DeviceUnavailable(fmt::format("CUDA: {} cannot be used: {}; tinydev needs CUDA 12's or 13's NVRTC: install "
+                                        "one, or point TINYDEV_CUDA_NVRTC at its libnvrtc.so",
+                                        opened, found));
+  }
   int count = 0;
   if (loaded.nvrtcGetNumSupportedArchs(&count) == NVRTC_SUCCESS && count > 0 && count < 1000) {
     loaded.archs.resize(static_cast<std::size_t>(count));

@@ -1,6 +1,7 @@
 #include "cuda_compiler.hpp"
 
 #include <dlfcn.h>
+#include <sys/stat.h>
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -20,16 +21,20 @@ namespace {
 // those of the toolkit the loaded NVRTC belongs to (its library's folder's ../include, or
 // ../../include for the targets/<arch>/lib layout), so a machine with two toolkits compiles with
 // the headers of the NVRTC that compiles; then the usual places.
+// The file the loaded NVRTC's code is in, links resolved; empty if the loader does not say.
+std::filesystem::path loaded_nvrtc_file() {
+  Dl_info info{};
+  if (::dladdr(reinterpret_cast<const void*>(nvrtc().nvrtcVersion), &info) == 0 || !info.dli_fname) return {};
+  std::error_code ec;
+  std::filesystem::path library = std::filesystem::canonical(info.dli_fname, ec);
+  return ec ? std::filesystem::path() : library;
+}
+
 std::vector<std::string> include_options() {
   std::vector<std::filesystem::path> candidates;
-  Dl_info info{};
-  if (::dladdr(reinterpret_cast<const void*>(nvrtc().nvrtcVersion), &info) != 0 && info.dli_fname) {
-    std::error_code ec;
-    const std::filesystem::path library = std::filesystem::canonical(info.dli_fname, ec);
-    if (!ec) {
-      candidates.push_back(library.parent_path().parent_path() / "include");
-      candidates.push_back(library.parent_path().parent_path().parent_path().parent_path() / "include");
-    }
+  if (const std::filesystem::path library = loaded_nvrtc_file(); !library.empty()) {
+    candidates.push_back(library.parent_path().parent_path() / "include");
+    candidates.push_back(library.parent_path().parent_path().parent_path().parent_path() / "include");
   }
   candidates.emplace_back("/usr/local/cuda/include");
   candidates.emplace_back("/opt/cuda/include");
@@ -41,6 +46,21 @@ std::vector<std::string> include_options() {
     if (!ec && std::find(out.begin(), out.end(), option) == out.end()) out.push_back(option);
   }
   return out;
+}
+
+// Note [NVRTC includes]
+// NVRTC adds the folder of the program's name to the include path by default; a program from a
+// string is named "kernel.cu", so `#include "x.h"` would read x.h from the process's working
+// directory (a folder such as /tmp that others may write), and the compile cache, whose key
+// holds no such file, would keep what it compiled to for every later working directory. So
+// --no-source-include: a kernel's includes come from the toolkit's headers only. Those change
+// under an NVRTC of the same major.minor when the toolkit is patched in place, so the key also
+// carries the size and modification time of the NVRTC library and of the half-precision headers
+// kernels include (a reinstalled toolkit compiles afresh; a missing file is "-").
+std::string file_fingerprint(const std::string& path) {
+  struct stat st{};
+  if (path.empty() || ::stat(path.c_str(), &st) != 0) return "-";
+  return fmt::format("{}:{}.{}", st.st_size, st.st_mtim.tv_sec, st.st_mtim.tv_nsec);
 }
 
 // Destroys an NVRTC program on every path.
@@ -66,10 +86,17 @@ CudaCompiler::CudaCompiler(std::string arch, bool ptx)
   const Nvrtc& api = nvrtc();  // DeviceUnavailable when there is none
   // PTX for the virtual architecture runs on this GPU and newer ones; CUBIN is this GPU's own code.
   const std::string target = ptx_ ? "compute_" + arch_.substr(3) : arch_;
-  options_ = {fmt::format("--gpu-architecture={}", target)};
-  for (std::string& inc : include_options()) options_.push_back(std::move(inc));
-  identity_ = fmt::format("nvrtc {}.{} {} {} opts:{}", api.major, api.minor, target, ptx_ ? "ptx" : "cubin",
-                          fmt::join(options_, " "));
+  // Note [NVRTC includes]: no include folder but the toolkit's, and the files' fingerprints in
+  // the cache key.
+  options_ = {fmt::format("--gpu-architecture={}", target), "--no-source-include"};
+  std::vector<std::string> folders = include_options();
+  for (const std::string& inc : folders) options_.push_back(inc);
+  std::string fingerprints = file_fingerprint(loaded_nvrtc_file().string());
+  for (const std::string& inc : folders)
+    for (const char* header : {"cuda_fp16.h", "cuda_fp16.hpp", "cuda_bf16.h", "cuda_bf16.hpp"})
+      fingerprints += " " + file_fingerprint((std::filesystem::path(inc.substr(2)) / header).string());
+  identity_ = fmt::format("nvrtc {}.{} {} {} opts:{} files:{}", api.major, api.minor, target, ptx_ ? "ptx" : "cubin",
+                          fmt::join(options_, " "), fingerprints);
 }
 
 std::string CudaCompiler::nvrtc_version() const {
@@ -106,8 +133,9 @@ Blob CudaCompiler::compile(std::string_view source) {
   if (std::string reason = unsupported_reason(); !reason.empty()) throw CompileError(reason, "");
   ProgramGuard guard{api};
   const std::string src(source);  // NVRTC wants a NUL-terminated string
+  std::string log;  // NVRTC's, once compiled: it goes with every later error
   auto fail = [&](nvrtcResult r, std::string_view what) -> CompileError {
-    return CompileError(fmt::format("NVRTC: {} failed: {}", what, api.nvrtcGetErrorString(r)), "");
+    return CompileError(fmt::format("NVRTC: {} failed for {}: {}", what, arch_, api.nvrtcGetErrorString(r)), log);
   };
   if (nvrtcResult r = api.nvrtcCreateProgram(&guard.program, src.c_str(), "kernel.cu", 0, nullptr, nullptr);
       r != NVRTC_SUCCESS)
@@ -116,7 +144,6 @@ Blob CudaCompiler::compile(std::string_view source) {
   for (const std::string& o : options_) opts.push_back(o.c_str());
   const nvrtcResult compiled = api.nvrtcCompileProgram(guard.program, static_cast<int>(opts.size()), opts.data());
   std::size_t log_size = 0;
-  std::string log;
   if (api.nvrtcGetProgramLogSize(guard.program, &log_size) == NVRTC_SUCCESS && log_size > 1) {
     log.resize(log_size);
     if (api.nvrtcGetProgramLog(guard.program, log.data()) != NVRTC_SUCCESS) log.clear();

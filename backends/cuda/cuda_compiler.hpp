@@ -28,12 +28,14 @@ class CudaCompiler final : public Compiler {
 
   // Throws CompileError carrying NVRTC's log, or unsupported_reason().
   Blob compile(std::string_view source) override;
-  // NVRTC's version, the target and the options: everything that changes the output.
+  // NVRTC's version, the target, the options and the size and modification time of the NVRTC
+  // library and the toolkit's half-precision headers (Note [NVRTC includes]): what changes the output.
   std::string identity() const override { return identity_; }
 
   const std::string& arch() const noexcept { return arch_; }
   bool ptx() const noexcept { return ptx_; }
-  // The options NVRTC gets (the seed's: --gpu-architecture and the toolkit's include folder).
+  // The options NVRTC gets: the seed's (--gpu-architecture, the toolkit's include folder) and
+  // --no-source-include (no header from the working directory: Note [NVRTC includes]).
   const std::vector<std::string>& options() const noexcept { return options_; }
   // "13.0"
   std::string nvrtc_version() const;

@@ -231,6 +231,46 @@ TEST_CASE("cuda compiler: TINYDEV_CUDA_NVRTC picks the NVRTC library and a wrong
   CHECK(run_probe("[cuda-nvrtc-probe]", {{"TINYDEV_TEST_REAL_NVRTC", real}}) == 0);
 }
 
+// Run by the test below in a fresh process (NVRTC is loaded once per process).
+TEST_CASE("cuda compiler: old NVRTC probe", "[.][probe][cuda-nvrtc-old-probe]") {
+  ScopedOverride nvrtc("TINYDEV_CUDA_NVRTC", TINYDEV_TEST_FAKE_NVRTC_11);
+  CHECK_THROWS_AS(cuda::CudaCompiler("sm_90", false), DeviceUnavailable);
+  CHECK_THROWS_WITH(cuda::CudaCompiler("sm_90", false),
+                    Catch::Contains(TINYDEV_TEST_FAKE_NVRTC_11) && Catch::Contains("it is NVRTC 11.8") &&
+                        Catch::Contains("CUDA 12's or 13's NVRTC") && Catch::Contains("TINYDEV_CUDA_NVRTC"));
+}
+
+TEST_CASE("cuda fake: an NVRTC older than 12 is DeviceUnavailable saying which NVRTC tinydev needs", "[cuda][fake]") {
+  CHECK(run_probe("[cuda-nvrtc-old-probe]", {}) == 0);
+}
+
+TEST_CASE("cuda compiler: a kernel's quoted include is not read from the working directory", "[cuda]") {
+  // A header planted in the working directory (a folder such as /tmp that others may write).
+  const std::string header = "tinydev_planted_" + std::to_string(fresh_seed() % 1000000) + ".h";
+  TempDir dir;
+  {
+    std::ofstream out(dir.path / header);
+    out << "#define PLANTED_VALUE 42\n";
+  }
+  const std::filesystem::path was = std::filesystem::current_path();
+  std::filesystem::current_path(dir.path);
+  struct Back {
+    std::filesystem::path to;
+    ~Back() { std::filesystem::current_path(to); }
+  } back{was};
+  cuda::CudaCompiler c("sm_90", false);
+  CHECK(std::find(c.options().begin(), c.options().end(), "--no-source-include") != c.options().end());
+  const std::string src = "#include \"" + header + "\"\nextern \"C\" __global__ void planted(int* o) { o[0] = PLANTED_VALUE; }\n";
+  try {
+    c.compile(src);
+    FAIL("the planted header was included");
+  } catch (const CompileError& e) {
+    CHECK_THAT(e.log(), Catch::Contains(header));
+  }
+  // The cache key names the compiler's files: the library NVRTC was loaded from is found.
+  CHECK_THAT(c.identity(), Catch::Contains(" files:") && !Catch::Contains("files:-"));
+}
+
 TEST_CASE("cuda: the queue kernels' PTX assembles for sm_75 and sm_90 (ptxas)", "[cuda]") {
   // Every device loads this PTX at open; a GPU is the only other place a mistake in it would show.
   std::string ptxas;
