@@ -2051,7 +2051,7 @@ std::shared_ptr<DeviceState> open_state(const std::string& name) {
                                 compiler.major, compiler.minor, compiler.path, compiler.major, api.version / 1000,
                                 api.version % 1000 / 10, api.version / 1000));
     } catch (const Error&) {
-      // No NVRTC: the compiler says so when it is used.
+      // No NVRTC (or one refused): the device's compiler, made below, throws DeviceUnavailable saying so.
     }
     return true;
   }();
