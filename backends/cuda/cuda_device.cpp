@@ -1396,6 +1396,12 @@ bool FailedWaitWatcher::pass(std::uint64_t& seen, std::chrono::milliseconds& tic
   return outstanding;
 }
 
+void CudaHCQDevice::note_if_sticky(int result, std::string_view reason) const noexcept {
+  if (!sticky(static_cast<CUresult>(result))) return;
+  context_failed_.store(true, std::memory_order_release);
+  poison_own_timeline(reason);
+}
+
 void CudaHCQDevice::check_health() const {
   if (state_->released.load()) return;
   if (state_->api.cuCtxSetCurrent(state_->context) != CUDA_SUCCESS) return;
@@ -1790,10 +1796,7 @@ std::optional<double> CudaHCQDevice::run_ordered(StreamWork work, std::string_vi
     if (timed) check(s.api.cuEventRecord(s.start, s.compute), "cuEventRecord", name());
     if (const auto r = static_cast<CUresult>(work(s.compute)); r != CUDA_SUCCESS) [[unlikely]] {
       const std::string reason = fmt::format("{}: {} failed: {}", name(), what, describe(r));
-      if (sticky(r)) {
-        context_failed_.store(true, std::memory_order_release);
-        poison_own_timeline(reason);
-      }
+      note_if_sticky(r, reason);
       drop_span(span);
       throw Error(reason);
     }

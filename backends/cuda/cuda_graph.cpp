@@ -67,9 +67,12 @@ class CudaGraph final : public Graph {
       const auto* program = dynamic_cast<const CudaProgram*>(k->program.get());
       const std::string& owner = device.programs_device().name();  // a stream's lane runs its device's
       if (!program || program->device() != owner)
-        throw InvalidArgument(fmt::format("graph node {}: kernel '{}' was not loaded by {}'s runtime: load it "
+        throw InvalidArgument(fmt::format("graph node {}: kernel '{}' {}, not by {}'s runtime: load it "
                                           "with Device[\"{}\"].load_kernel",
-                                          i, k->program->name(), owner, owner));
+                                          i, k->program->name(),
+                                          program ? fmt::format("was loaded by {}", program->device())
+                                                  : std::string("is another backend's program"),
+                                          owner, owner));
       const Dim3& g = k->launch.global;
       const Dim3& l = k->launch.local;
       if (grid_size(g) == 0 || grid_size(l) == 0)
@@ -371,11 +374,22 @@ class CudaGraph final : public Graph {
   Instance& instantiate() {
     const DeviceState& s = device_.state();
     Instance instance;
-    check(s.api.cuGraphInstantiate(&instance.exec, graph_, 0), "cuGraphInstantiate", s.name);
-    instance.args = built_args_;
+    instance.args = built_args_;  // first: nothing after the driver call may throw
     instance.copies = built_copies_;
-    instances_.push_back(std::move(instance));
+    check_call(s.api.cuGraphInstantiate(&instance.exec, graph_, 0),
+               fmt::format("cuGraphInstantiate of a graph of {} nodes (executable graph {} of at most {})",
+                           nodes_.size(), instances_.size() + 1, kMaxInstances));
+    instances_.push_back(std::move(instance));  // reserved: no allocation
     return instances_.back();
+  }
+
+  // check(), after marking the device failed if the error is sticky (Note [CUDA failures]): a
+  // graph call that sees the context broken says so as a launch would.
+  void check_call(CUresult r, std::string_view what) const {
+    if (r == CUDA_SUCCESS) [[likely]]
+      return;
+    device_.note_if_sticky(static_cast<int>(r), fmt::format("{}: {} failed: {}", device_.name(), what, describe(r)));
+    check(r, what, device_.state().name);
   }
 
   // Fills `p` for kernel node `i` with arguments `args`; `extra` and `size` must outlive the
@@ -428,7 +442,7 @@ class CudaGraph final : public Graph {
     overlaps_ = overlaps(inputs);
     const std::vector<std::vector<std::size_t>> dependencies = this->dependencies(inputs, overlaps_);
     std::size_t edges = 0;
-    check(s.api.cuGraphCreate(&graph_, 0), "cuGraphCreate", s.name);
+    check_call(s.api.cuGraphCreate(&graph_, 0), "cuGraphCreate");
     try {
       std::vector<CUgraphNode> before;
       for (std::size_t i = 0; i < nodes_.size(); ++i) {
@@ -443,16 +457,18 @@ class CudaGraph final : public Graph {
           void* extra[5];
           std::size_t size;
           kernel_params(i, built_args_[i], p, extra, size);
-          check(s.api.cuGraphAddKernelNode(&handles_[i], graph_, after, deps, &p),
-                fmt::format("adding kernel '{}' to a graph (node {})", k->program->name(), i), s.name);
+          check_call(s.api.cuGraphAddKernelNode(&handles_[i], graph_, after, deps, &p),
+                     fmt::format("adding kernel '{}' with grid ({},{},{}) and block ({},{},{}) to a graph (node {})",
+                                 k->program->name(), k->launch.global[0], k->launch.global[1], k->launch.global[2],
+                                 k->launch.local[0], k->launch.local[1], k->launch.local[2], i));
         } else if (const auto& c = std::get<GraphCopy>(nodes_[i]); c.size == 0) {
-          check(s.api.cuGraphAddEmptyNode(&handles_[i], graph_, after, deps),
-                fmt::format("adding an empty node for a copy of 0 bytes to a graph (node {})", i), s.name);
+          check_call(s.api.cuGraphAddEmptyNode(&handles_[i], graph_, after, deps),
+                     fmt::format("adding an empty node for a copy of 0 bytes to a graph (node {})", i));
         } else {
           built_copies_[i] = {resolve(c.dest, inputs).va_addr, resolve(c.src, inputs).va_addr};
           const CUDA_MEMCPY3D params = copy_params(built_copies_[i].first, built_copies_[i].second, c.size);
-          check(s.api.cuGraphAddMemcpyNode(&handles_[i], graph_, after, deps, &params, s.context),
-                fmt::format("adding a copy of {} bytes to a graph (node {})", c.size, i), s.name);
+          check_call(s.api.cuGraphAddMemcpyNode(&handles_[i], graph_, after, deps, &params, s.context),
+                     fmt::format("adding a copy of {} bytes to a graph (node {})", c.size, i));
         }
       }
       remember(instantiate(), inputs, variables);
@@ -475,7 +491,7 @@ class CudaGraph final : public Graph {
                   what, describe(r));
         return true;
       }
-      check(r, fmt::format("patching {} of a graph (node {})", what, i), s.name);
+      check_call(r, fmt::format("patching {} of a graph (node {})", what, i));
       return false;
     };
     for (std::size_t i = 0; i < nodes_.size(); ++i) {

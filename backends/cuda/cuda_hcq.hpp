@@ -331,6 +331,10 @@ class CudaHCQDevice final : public HCQCompiled<CudaComputeQueue, CudaCopyQueue> 
   // Throws the Error of a sticky failure seen earlier (Note [CUDA failures]), the DeviceFault of
   // one recover() clears, nothing otherwise.
   void throw_if_failed() const;
+  // A driver call for this device failed with CUresult `result`: if the error is sticky (the
+  // context is unusable from now on), the device is marked failed and its timeline poisoned with
+  // `reason`, as a failed launch does (Note [CUDA failures]). Any thread.
+  void note_if_sticky(int result, std::string_view reason) const noexcept;
   // Note [CUDA recovery]: after a sticky driver error the context is unusable and the driver
   // offers no way back short of destroying it: recover() refuses then; other faults (a poisoned
   // signal this device waited for) recover as on the CPU.

@@ -53,9 +53,12 @@ class HCQGraph final : public Graph {
       const auto* k = std::get_if<GraphKernel>(&nodes_[i]);
       const auto* program = k ? dynamic_cast<const ProgramT*>(k->program.get()) : nullptr;
       if (k && (!program || program->device() != kernels_device(device)))
-        throw InvalidArgument(fmt::format(TINYDEV_FMT("graph node {}: kernel '{}' was not loaded by {}'s runtime: load it "
+        throw InvalidArgument(fmt::format(TINYDEV_FMT("graph node {}: kernel '{}' {}, not by {}'s runtime: load it "
                                           "with Device[\"{}\"].load_kernel"),
-                                          i, k->program->name(), device.name(), device.name()));
+                                          i, k->program->name(),
+                                          program ? fmt::format(TINYDEV_FMT("was loaded by {}"), program->device())
+                                                  : std::string("is another backend's program"),
+                                          device.name(), device.name()));
     }
     signal_ = device.alloc_signal(0);
     try {

@@ -471,7 +471,7 @@ TEST_CASE("hcq: more bad input: foreign programs in graphs - missing or oversize
     if (!other) return;
     auto foreign = other->load_kernel("ping", inc_kernel("ping").for_device(*other));
     CHECK_THROWS_WITH(dev.create_graph({GraphKernel{foreign, {GraphBuffer::in(0), GraphBuffer::in(1)}, {}}}),
-                      Catch::Contains("was not loaded by " + dev.name() + "'s runtime"));
+                      Catch::Contains("was loaded by " + other->name() + ", not by " + dev.name() + "'s runtime"));
     auto ping = load_program(dev, "ping", inc_kernel("ping"));
     auto q = dev.compute_queue();
     CHECK_THROWS_WITH(q.exec(*ping, Kernargs{nullptr, 2, 0}, {1, 1, 1}, {1, 1, 1}), Catch::Contains("have no memory"));

@@ -2027,6 +2027,30 @@ TEST_CASE("cuda fake: a graph launch the driver refuses is an Error and the devi
   for (std::size_t i = 0; i < n; ++i) REQUIRE(got[i] == x[i] + x[i]);
 }
 
+TEST_CASE("cuda fake: a sticky error while a graph is built marks the device failed as a launch's does", "[cuda][fake]") {
+  auto* dev = fake_hcq();
+  if (!dev) return;
+  auto add = dev->load_kernel("add", kernels::add_f32(SourceLanguage::CUDA));
+  const std::size_t n = 64;
+  Buffer a(dev->name(), n, dtypes::float32), o(dev->name(), n, dtypes::float32);
+  a.allocate().copyin(std::span<const float>(random_floats(n, fresh_seed())));
+  o.allocate();
+  auto graph = dev->create_graph({GraphKernel{add, {GraphBuffer::in(0), GraphBuffer::in(1), GraphBuffer::in(1)},
+                                              {GraphValue::of(static_cast<std::int32_t>(n))}}});
+  {
+    // The driver reports an earlier kernel's illegal address from the graph's instantiation.
+    FakeEnv fail("FAKE_CUDA_FAIL", "cuGraphInstantiateWithFlags=700");
+    CHECK_THROWS_WITH(graph->replay(std::vector<Allocation>{o.allocation(), a.allocation()}),
+                      Catch::Contains("cuGraphInstantiate of a graph of 1 nodes") &&
+                          Catch::Contains("CUDA_ERROR_ILLEGAL_ADDRESS"));
+  }
+  // The context is unusable: every later call says the device failed, naming the error.
+  CHECK_THROWS_WITH(graph->replay(std::vector<Allocation>{o.allocation(), a.allocation()}),
+                    Catch::Contains("failed earlier") && Catch::Contains("CUDA_ERROR_ILLEGAL_ADDRESS"));
+  CHECK_THROWS_WITH(dev->synchronize(), Catch::Contains("CUDA_ERROR_ILLEGAL_ADDRESS"));
+  CHECK_FALSE(dev->fault().empty());
+}
+
 TEST_CASE("cuda gpu: renderer-style kernels match the CPU (elementwise to half - bf16 reduction - shared-memory matmul)", "[cuda][gpu]") {
   Compiled* dev = gpu();
   if (!dev) return;
