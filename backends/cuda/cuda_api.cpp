@@ -208,6 +208,23 @@ int lowest_compute_capability(const Driver& api) {
 }
 }  // namespace
 
+namespace {
+// The driver's CUDA version (13000 for 13.0), 0 where there is none, without initializing it: a
+// process that only compiles (to warm the cache) may fork workers that use the GPU afterwards, and
+// CUDA initialized before a fork is unusable in the child. cuDriverGetVersion needs no cuInit.
+// The library stays loaded (driver() finds it again).
+int driver_version_without_init() {
+  const std::string configured = settings().cuda_driver;
+  void* handle = ::dlopen(configured.empty() ? "libcuda.so.1" : configured.c_str(), RTLD_NOW | RTLD_LOCAL);
+  if (!handle) return 0;
+  using GetVersion = CUresult (*)(int*);
+  const auto get = reinterpret_cast<GetVersion>(::dlsym(handle, "cuDriverGetVersion"));
+  int version = 0;
+  if (!get || get(&version) != CUDA_SUCCESS) version = 0;
+  return version;
+}
+}  // namespace
+
 const Nvrtc& nvrtc() {
   static NvrtcState* state = new NvrtcState;
   std::lock_guard lock(state->mutex);
@@ -228,7 +245,14 @@ const Nvrtc& nvrtc() {
     const std::vector<std::string> twelve_first{"libnvrtc.so.12", "/usr/local/cuda/lib64/libnvrtc.so.12",
                                                 "libnvrtc.so.13", "/usr/local/cuda/lib64/libnvrtc.so.13"};
     candidates = newest_first;
-    try {
+    bool driver_loaded = false;
+    {
+      DriverState& loaded_driver = driver_state();
+      std::lock_guard driver_lock(loaded_driver.mutex);  // the only order: NVRTC's mutex, then the driver's
+      driver_loaded = loaded_driver.loaded;
+    }
+    if (driver_loaded) {
+      // A device opened first: its driver and GPUs decide.
       const Driver& api = driver();
       const int lowest = lowest_compute_capability(api);
       if (api.version / 1000 < 13 || (lowest != 0 && lowest < 75)) {
@@ -236,8 +260,10 @@ const Nvrtc& nvrtc() {
         debug_log(1, "CUDA", "NVRTC 12 first: the driver is {}.{}, the oldest GPU compute capability {}.{}",
                   api.version / 1000, api.version % 1000 / 10, lowest / 10, lowest % 10);
       }
-    } catch (const Error&) {
-      // No driver here: nothing to match.
+    } else if (const int version = driver_version_without_init(); version != 0 && version / 1000 < 13) {
+      // A compiler without a device: the driver's version only (the GPUs need cuInit).
+      candidates = twelve_first;
+      debug_log(1, "CUDA", "NVRTC 12 first: the driver is {}.{}", version / 1000, version % 1000 / 10);
     }
   }
   void* handle = open_first(candidates, opened, errors);

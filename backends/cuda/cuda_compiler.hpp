@@ -1,7 +1,8 @@
 // backends/cuda/cuda_compiler.hpp (installed as <tinydev/cuda/cuda_compiler.hpp>): CUDA C++ to
 // CUBIN (or PTX) with NVRTC, opened at run time (Note [CUDA at run time]). Needs no GPU and no
 // driver, so a framework can compile and warm the cache on a machine without one, as the seed
-// allows. Includes no CUDA header.
+// allows; where there is a driver it asks only its version and never initializes it, so a process
+// may fork workers that use the GPU after compiling. Includes no CUDA header.
 //
 // Thread safety: compile() and compile_cached() may be called concurrently (NVRTC programs are
 // per call).

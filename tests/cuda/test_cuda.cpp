@@ -824,6 +824,23 @@ TEST_CASE("cuda fake: a CUDA 12.0 driver (no cuEventElapsedTime_v2 or cuFuncGetP
   CHECK(run_probe("[cuda-12.0-probe]", {{"TINYDEV_CUDA_DRIVER", TINYDEV_TEST_FAKE_CUDA_12_0}}) == 0);
 }
 
+// Run by the compile-only test below in a fresh process (the driver is initialized once per process).
+TEST_CASE("cuda fake: compile-only probe", "[.][probe][cuda-compile-only-probe]") {
+  cuda::CudaCompiler compiler("sm_90", false);
+  CHECK(compiler.compile(kernels::add_f32(SourceLanguage::CUDA, "compile_only")).size() > 64);
+  // The driver was asked its version only: a fork now would leave the child a usable CUDA.
+  CHECK(fake_calls("cuDriverGetVersion") >= 1);
+  CHECK(fake_calls("cuInit") == 0);
+  auto* dev = fake_hcq();
+  REQUIRE(dev);
+  CHECK(fake_calls("cuInit") == 1);
+}
+
+TEST_CASE("cuda fake: a compiler made before any device does not initialize the driver", "[cuda][fake]") {
+  if (!fake_gpu()) return;
+  CHECK(run_probe("[cuda-compile-only-probe]", {}) == 0);
+}
+
 // Run by the time-limit test below with FAKE_CUDA_NO_MEMOPS=1 and FAKE_CUDA_KERNEL_TIME_LIMIT=1.
 TEST_CASE("cuda fake: kernel time limit probe", "[.][probe][cuda-time-limit-probe]") {
   std::vector<std::string> warnings;

@@ -531,6 +531,7 @@ CUresult CUDAAPI cuInit(unsigned int) {
 }
 
 CUresult CUDAAPI cuDriverGetVersion(int* version) {
+  FAKE_INJECT(cuDriverGetVersion);  // needs no cuInit, as the driver's
 #if defined(FAKE_CUDA_DRIVER_12_0)
   *version = static_cast<int>(env_number("FAKE_CUDA_DRIVER_VERSION", 12000));
 #else
