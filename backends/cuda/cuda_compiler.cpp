@@ -12,6 +12,7 @@
 
 #include "cuda_api.hpp"
 #include "tinydev/error.hpp"
+#include "tinydev/log.hpp"
 
 namespace tinydev::cuda {
 
@@ -32,19 +33,28 @@ std::filesystem::path loaded_nvrtc_file() {
 
 std::vector<std::string> include_options() {
   std::vector<std::filesystem::path> candidates;
+  std::size_t own = 0;  // how many of the candidates are the loaded NVRTC's toolkit's
   if (const std::filesystem::path library = loaded_nvrtc_file(); !library.empty()) {
     candidates.push_back(library.parent_path().parent_path() / "include");
     candidates.push_back(library.parent_path().parent_path().parent_path().parent_path() / "include");
+    own = candidates.size();
   }
   candidates.emplace_back("/usr/local/cuda/include");
   candidates.emplace_back("/opt/cuda/include");
   std::vector<std::string> out;
-  for (const std::filesystem::path& dir : candidates) {
+  bool own_headers = false;
+  for (std::size_t i = 0; i < candidates.size(); ++i) {
+    const std::filesystem::path& dir = candidates[i];
     std::error_code ec;
     if (!std::filesystem::is_regular_file(dir / "cuda_fp16.h", ec)) continue;
     const std::string option = fmt::format("-I{}", std::filesystem::canonical(dir, ec).string());
     if (!ec && std::find(out.begin(), out.end(), option) == out.end()) out.push_back(option);
+    own_headers |= !ec && i < own;
   }
+  // Headers of another toolkit may not match this NVRTC (a compile error, never wrong code).
+  if (!own_headers && !out.empty())
+    debug_log(1, "CUDA", "the loaded NVRTC's toolkit has no cuda_fp16.h: kernels include the headers of {}",
+              out.front().substr(2));
   return out;
 }
 
