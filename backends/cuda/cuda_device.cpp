@@ -1595,6 +1595,7 @@ CudaHCQDevice::HostCopies& CudaHCQDevice::host_copies_for(std::size_t bounce_byt
   release_host_copies();
   if (h.bounce.size < bounce_bytes) {
     const std::size_t bytes = std::bit_ceil(std::max(bounce_bytes, kMinBounceBytes));
+    h.outgrown.reserve(h.outgrown.size() + 1);  // nothing may throw once the pinned memory is ours
     void* p = alloc_pinned(bytes, fmt::format("a stream {}'s bounce memory", what));
     if (h.bounce.size) h.outgrown.push_back(h.bounce);
     h.bounce = Allocation{reinterpret_cast<std::uintptr_t>(p), bytes, CudaAllocator::pinned_tag()};

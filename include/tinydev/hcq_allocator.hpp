@@ -8,6 +8,7 @@
 #include <fmt/core.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstddef>
 #include <cstring>
 #include <mutex>
@@ -52,7 +53,7 @@ class HCQAllocator : public LRUAllocator {
   }
 
   // Forces every copyin/copyout through the staging ring (tests, benchmarks of the ring).
-  void set_force_staging(bool force) noexcept { force_staging_ = force; }
+  void set_force_staging(bool force) noexcept { force_staging_.store(force, std::memory_order_relaxed); }
   // Whether the host reads and writes `allocation` directly (copies skip the ring, as_buffer
   // maps it): all of the device's memory when it was made host_visible, else what the backend
   // says (CUDA: pinned host buffers).
@@ -127,6 +128,9 @@ class HCQAllocator : public LRUAllocator {
           .signal(device_.timeline_signal(), value)
           .submit(device_);
       done[c] = value;
+      // The slot is the device's until then: a copyin after this copyout threw (a timed-out wait
+      // below) waits for the chunk queued into it instead of filling it under the device's write.
+      ring_timeline_[c % ring_.size()] = value;
     };
     std::size_t submitted = 0;
     for (std::size_t c = 0; c < chunks; ++c) {
@@ -370,7 +374,7 @@ class HCQAllocator : public LRUAllocator {
   std::size_t batch_size_, batch_count_;
   bool host_visible_;
   bool device_alive_ = true;
-  bool force_staging_ = false;
+  std::atomic<bool> force_staging_{false};  // set by tests while copies may run
   std::vector<Allocation> ring_;
   std::vector<std::uint64_t> ring_timeline_;
   std::size_t next_ = 0;
