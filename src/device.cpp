@@ -37,6 +37,15 @@ std::shared_ptr<Stream> Compiled::create_stream(const StreamOptions&) {
                                     name_));
 }
 
+Event Compiled::record() {
+  // A device without a timeline: once synchronize() returned, everything queued so far finished.
+  synchronize();
+  if (const std::string f = fault(); !f.empty())
+    throw DeviceFault(fmt::format("{} cannot record an event: {}. Call recover() on it to go on (docs/serving.md)",
+                                  name_, f));
+  return Event();
+}
+
 std::map<std::string, std::string> Compiled::properties() const {
   return {{"source language", std::string(to_string(language_))},
           {"allocator", allocator_->describe()}};

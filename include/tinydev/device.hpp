@@ -76,6 +76,14 @@ class Compiled {
   // its own queues and timeline, ordered with the device's default queue and other streams only
   // through Events. InvalidArgument on devices without streams (capabilities().streams).
   virtual std::shared_ptr<Stream> create_stream(const StreamOptions& options = {});
+  // An Event completed once everything queued on the default queue so far (the plain
+  // Buffer::copyin, Program calls, Compiled::create_graph replays, hand-made HCQ queues) has
+  // finished: what a stream waits for (Stream::wait) before it reads what the default queue
+  // wrote. A Buffer::copyin may still be landing when it returns (CUDA's staged copies), and
+  // nothing else orders a stream after it. HCQ devices return at once with their timeline's
+  // last value; the default synchronizes the device first and returns a completed Event.
+  // DeviceFault on a faulted device.
+  virtual Event record();
 
   // Sticky faults (docs/serving.md): "" while the device works; once one of its queues failed,
   // the first failure's explanation, and every call that would queue or copy throws a

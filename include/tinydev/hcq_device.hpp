@@ -117,6 +117,15 @@ class HCQCompiled : public Compiled {
   // The timeline signal handle (changes when the timeline wraps or the device recovers; read it
   // under submit_mutex()).
   const Signal& timeline_signal() const noexcept { return timeline_signal_; }
+  // The default queue's last value, lazy work included (Compiled::record). The Event stays
+  // meaningful across one timeline wrap (Note [Timeline wrap]: the old slot keeps its final value
+  // until the next one, 2^31 submissions later).
+  Event record() override {
+    check_usable();
+    std::lock_guard lock(submit_mutex_);
+    const std::uint64_t value = last_submitted_value();
+    return Event(timeline_signal_, value, &name());
+  }
   // The next value to signal on the timeline; value - 1 is the last one submitted.
   std::uint64_t timeline_value() const noexcept { return timeline_value_.load(std::memory_order_acquire); }
   // Takes the next timeline value (caller holds submit_mutex()). Lazy work is signalled first

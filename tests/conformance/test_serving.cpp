@@ -134,6 +134,7 @@ TEST_CASE("serving: after a queue failure every call throws DeviceFault naming i
     CHECK_THROWS_AS((*add)(args, values), DeviceFault);
     CHECK_THROWS_AS(dev.reserve_timeline_value(), DeviceFault);
     CHECK_THROWS_AS(dev.create_stream(), DeviceFault);
+    CHECK_THROWS_WITH(dev.record(), Catch::Contains(cause));
     // recover() clears it and says what it cleared; the buffers hold what they held before.
     const std::uint64_t failed_value = dev.timeline_value() - 1;
     const Signal failed_timeline = dev.timeline_signal();
@@ -193,6 +194,7 @@ TEST_CASE("serving: a stream's copyout does not wait for another stream's work a
     REQUIRE(dev.capabilities().streams);
     auto stream_a = dev.create_stream(), stream_b = dev.create_stream();
     CHECK(stream_a->name() != stream_b->name());
+    stream_a->wait(dev.record());  // A reads the operands the default queue copied in
     // Stream A is held up by a gate nobody has opened yet.
     Signal gate = dev.alloc_signal(0);
     stream_a->wait(Event(gate, 1, nullptr));
@@ -229,17 +231,65 @@ TEST_CASE("serving: a stream's copyout does not wait for another stream's work a
   }, kHcqKernels);
 }
 
+TEST_CASE("serving: a stream that waits for Compiled::record runs after the default queue and reads what it wrote",
+          "[serving]") {
+  for_each_hcq_device([](auto& dev) {
+    auto add = load_add(dev);
+    const std::size_t n = 64 + fresh_seed() % 200;
+    AddOperands ops(dev, n);  // copied in on the default queue (CUDA: staged, maybe still landing)
+    auto stream = dev.create_stream();
+    stream->wait(dev.record());
+    launch_add(*stream, add, ops.out, ops.ba, ops.bb, n);
+    std::vector<float> back = random_floats(n, fresh_seed());
+    stream->copyout(bytes_of(back), ops.out).wait(5000ms);
+    CHECK(back == add_reference(ops.a, ops.b));
+    // The default queue held behind a gate: its Event, and the stream's work after it, wait.
+    Signal gate = dev.alloc_signal(0);
+    submit_ordered(dev, [&](auto& q) { q.wait(gate, 1); });
+    const Event held = dev.record();
+    CHECK_FALSE(held.query());
+    CHECK_THROWS_WITH(held.wait(20ms), Catch::Contains(dev.name()));
+    stream->wait(held);
+    const Event after = launch_add(*stream, add, ops.out, ops.bb, ops.ba, n);
+    std::this_thread::sleep_for(10ms);
+    CHECK_FALSE(after.query());
+    gate.set(1);
+    after.wait(5000ms);
+    CHECK(held.query());
+    dev.synchronize();
+    dev.free_signal(gate);
+  }, kHcqKernels);
+}
+
+TEST_CASE("serving: Compiled::record on any device completes once the default queue's work finished", "[serving]") {
+  for_each_backend([](Compiled& dev) {
+    const auto data = random_bytes(4096 + fresh_seed() % 4096, fresh_seed());
+    Buffer b(dev.name(), data.size(), dtypes::uint8);
+    b.allocate().copyin(data);
+    const Event done = dev.record();
+    done.wait(5000ms);
+    CHECK(done.query());
+    std::vector<std::byte> back(data.size());
+    b.copyout(std::span<std::byte>(back));
+    CHECK(back == data);
+  });
+}
+
 TEST_CASE("serving: an event whose signal reached it only after a poison is no success for a stream that runs work on the caller",
           "[serving]") {
   for_each_hcq_device([](auto& dev) {
     auto add = load_add(dev);
     const std::size_t n = 64 + fresh_seed() % 200;
     AddOperands ops(dev, n);
+    // The operands' copyins ran on the default queue, which orders no stream (on CUDA a staged
+    // copyin may still be landing): the streams below wait for it.
+    const Event operands_in = dev.record();
     for (const bool copy : {true, false}) {
       INFO((copy ? "copyout" : "launch"));
       // An idle stream that runs work on the caller when it can (CPU: copies and launches; CUDA:
       // copyouts through the staging ring; a queued launch must fail all the same).
       auto stream = dev.create_stream(StreamOptions{.run_inline_when_idle = true});
+      stream->wait(operands_in);
       // Upstream work (another stream's, say) fails at 4 while this stream waits for 5, and work
       // queued there before the failure writes 5 afterwards (Note [Events after a poison]).
       Signal upstream = dev.alloc_signal(3);
@@ -263,6 +313,10 @@ TEST_CASE("serving: an event whose signal reached it only after a poison is no s
       // touching the device and replays its graph again").
       CHECK_THAT(stream->recover(), Catch::Contains(reason));
       CHECK(stream->fault().empty());
+      // And runs work again: a kernel, then a copyout that must see its result.
+      launch_add(*stream, add, ops.out, ops.ba, ops.bb, n);
+      stream->copyout(bytes_of(back), ops.out).wait(5000ms);
+      CHECK(back == add_reference(ops.a, ops.b));
       dev.free_signal(upstream);
     }
   }, kHcqKernels);

@@ -2458,6 +2458,7 @@ TEST_CASE("cuda fake: pinned retry probe", "[.][probe][cuda-pinned-retry-probe]"
   source.allocate().copyin(std::span<const float>(y));
   // Every copy of this stream is queued, through its bounce memory (none staged through a ring).
   auto stream = dev->create_stream(StreamOptions{.run_inline_when_idle = false});
+  stream->wait(dev->record());  // its copyout of source reads what the default queue copied in
   const auto defer_while_gated = [&](Allocation& memory) {
     Signal gate = dev->alloc_signal(0);
     stream->wait(Event(gate, 1, nullptr));
@@ -2558,6 +2559,7 @@ TEST_CASE("cuda fake: a retired program whose work ran is unloaded later without
   // The first program's last handle goes while a direct call of it may run and a stream is held
   // by a gate: it retires until both are past.
   Signal first_gate = dev->alloc_signal(0);
+  stream->wait(dev->record());  // its copyin into b comes after the default queue's
   stream->wait(Event(first_gate, 1, nullptr));
   stream->copyin(b, std::as_bytes(std::span(x)));
   auto first = dev->load_kernel("add", kernels::add_f32(SourceLanguage::CUDA));
