@@ -2374,6 +2374,57 @@ TEST_CASE("cuda fake: memory freed while a stream waits on the GPU is given back
   dev->free_signal(gate);
 }
 
+TEST_CASE("cuda fake: a copyin after a copyout that timed out with chunks still queued waits for their slots - its bytes are not overwritten", "[cuda][fake]") {
+  auto* dev = fake_hcq();
+  if (!dev) return;
+  auto* const hold = fake_function<void(int)>("fake_cuda_hold_copies_to_host");
+  auto& allocator = dynamic_cast<HCQAllocator<cuda::CudaHCQDevice>&>(dev->allocator());
+  const std::size_t slot = 64u << 10, slots = 3;
+  const std::size_t old_slot = allocator.staging_batch_size(), old_slots = allocator.staging_batch_count();
+  allocator.set_staging_shape(slot, slots);
+  // Fresh random data: a source spanning every slot of the ring, and what the copyin brings.
+  const std::size_t n = slots * slot / sizeof(float);
+  const auto x = random_floats(n, fresh_seed()), y = random_floats(slot / sizeof(float), fresh_seed());
+  Buffer source(dev->name(), n, dtypes::float32), dest(dev->name(), y.size(), dtypes::float32);
+  source.allocate().copyin(std::span<const float>(x));
+  dest.allocate();
+  dev->synchronize();
+  std::thread unhold;
+  struct Cleanup {
+    void (*hold)(int);
+    std::thread& unhold;
+    ~Cleanup() {
+      if (unhold.joinable()) unhold.join();
+      hold(0);
+    }
+  } cleanup{hold, unhold};
+  // The copy engine stalls: the copyout queues a chunk into every slot and times out waiting for
+  // the first (30 s), the chunks still queued.
+  hold(1);
+  std::vector<float> back(n);
+  CHECK_THROWS_AS(source.copyout(std::span<float>(back)), Timeout);
+  const long held = fake_calls("held copy to host");
+  CHECK(held >= 1);
+  // A copyin now must wait for the slot it takes: the stalled chunk queued into it would write
+  // the source's bytes over the copyin's once the engine goes on. The fake lets go in 50 ms.
+  unhold = std::thread([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    hold(0);
+  });
+  const auto start = std::chrono::steady_clock::now();
+  dest.copyin(std::span<const float>(y));
+  CHECK(std::chrono::steady_clock::now() - start >= std::chrono::milliseconds(40));
+  unhold.join();
+  dev->synchronize();
+  std::vector<float> landed(y.size());
+  dest.copyout(std::span<float>(landed));
+  CHECK(landed == y);
+  // The device goes on: the source round-trips whole.
+  source.copyout(std::span<float>(back));
+  CHECK(back == x);
+  allocator.set_staging_shape(old_slot, old_slots);
+}
+
 TEST_CASE("cuda fake: a GPU wait submitted while a free is inside the driver reaches the GPU only after it - the free is not held", "[cuda][fake]") {
   auto* dev = fake_hcq();
   if (!dev) return;

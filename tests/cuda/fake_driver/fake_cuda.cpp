@@ -40,6 +40,9 @@
 //  makes cuMemHostAlloc refuse past n bytes (0: no limit).
 //  fake_cuda_hold_implicit_synchronization(1) holds those implicit synchronizations before they
 //  look at the streams, until it is called with 0.
+//  fake_cuda_hold_copies_to_host(1) holds every queued copy from device memory into pinned host
+//  memory when its stream reaches it (a copy engine that stalls), until called with 0;
+//  fake_cuda_calls("held copy to host") counts the copies that waited.
 //  fake_cuda_peer_enabled(from, to) tells tests whether the backend enabled peer access, and
 //  fake_cuda_calls("cuGraphLaunch") how often a function was called.
 // Not a general emulator: what the backend does not call is not here.
@@ -504,6 +507,25 @@ extern "C" void fake_cuda_hold_implicit_synchronization(int hold) {
   g_hold_changed.notify_all();
 }
 
+// What tests ask the fake: while `hold` is nonzero, a queued copy from device memory into pinned
+// host memory waits when its stream reaches it (the staging ring's device-to-host chunks).
+std::mutex g_copy_hold_mutex;
+std::condition_variable g_copy_hold_changed;
+bool g_copy_hold = false;
+extern "C" void fake_cuda_hold_copies_to_host(int hold) {
+  {
+    std::lock_guard lock(g_copy_hold_mutex);
+    g_copy_hold = hold != 0;
+  }
+  g_copy_hold_changed.notify_all();
+}
+void wait_while_copies_held() {
+  std::unique_lock lock(g_copy_hold_mutex);
+  if (!g_copy_hold) return;
+  count_call("held copy to host");
+  g_copy_hold_changed.wait(lock, [] { return !g_copy_hold; });
+}
+
 // What tests ask the fake: whether the backend enabled device `from`'s access to `to`'s memory.
 extern "C" int fake_cuda_peer_enabled(int from, int to) {
   std::lock_guard lock(g_mutex);
@@ -813,6 +835,7 @@ CUresult CUDAAPI cuMemcpyAsync(CUdeviceptr dest, CUdeviceptr src, size_t size, C
   }
   const CUresult r = submit(stream, [=] {
     if (!copy_ends_ok(dest, src, size)) return CUDA_ERROR_ILLEGAL_ADDRESS;
+    if (to == -1 && from >= 0) wait_while_copies_held();
     return device_copy(reinterpret_cast<void*>(dest), reinterpret_cast<const void*>(src), size);
   });
   if (r != CUDA_SUCCESS || !stream || !(to == -2 || (to < 0 && from < 0))) return r;
