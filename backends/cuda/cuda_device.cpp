@@ -868,7 +868,12 @@ std::shared_ptr<Stream> CudaHCQDevice::create_stream(const StreamOptions& option
 CudaHCQDevice::~CudaHCQDevice() {
   // Host copies (Note [CUDA copyout without blocking]) go where no host function can still run;
   // otherwise they are left, records and bounce memory alike (at exit the context takes the memory).
-  if (host_copies_ && (state_->released.load() || !idle())) {
+  // After a fault the timeline no longer says (a queue goes on past a failed wait it was let
+  // through: Note [CUDA waits on failed signals]); the streams do.
+  const auto may_still_run = [&] {
+    return !idle() || (timeline_slot()->poisoned.load(std::memory_order_acquire) && !queues_idle());
+  };
+  if (host_copies_ && (state_->released.load() || may_still_run())) {
     (void)host_copies_.release();
   } else if (host_copies_) {
     try {

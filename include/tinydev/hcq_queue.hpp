@@ -305,10 +305,13 @@ class HWCopyQueue : public HWCommandQueue<Derived, Command> {
 
   // InvalidArgument when a copy of `size` bytes runs past either allocation.
   static void check_copy(const Allocation& dest, const Allocation& src, std::size_t size) {
-    if (size > dest.size || size > src.size)
-      throw InvalidArgument(fmt::format(TINYDEV_FMT("copy of {} bytes runs past the end of the {} ({} bytes)"), size,
-                                        size > dest.size ? "destination" : "source",
-                                        size > dest.size ? dest.size : src.size));
+    if (size > dest.size || size > src.size) {
+      const char* which = size > dest.size ? "destination" : "source";
+      throw InvalidArgument(fmt::format(TINYDEV_FMT("copy of {} bytes runs past the end of the {} ({} bytes): copy "
+                                                    "at most {} bytes, or give a larger {}"),
+                                        size, which, size > dest.size ? dest.size : src.size,
+                                        std::min(dest.size, src.size), which));
+    }
   }
 };
 

@@ -338,7 +338,9 @@ TEST_CASE("hcq: bad input is an error before anything is queued", "[hcq]") {
     CHECK_THROWS_WITH(q2.update_exec(0, {1, 1, 1}, {1, 1, 1}), Catch::Contains("not on a exec command"));
     // A copy past a buffer's end.
     auto c = dev.copy_queue();
-    CHECK_THROWS_WITH(c.copy(a.allocation(), b.allocation(), b.nbytes()), Catch::Contains("past the end of the destination"));
+    CHECK_THROWS_WITH(c.copy(a.allocation(), b.allocation(), b.nbytes()),
+                      Catch::Contains("past the end of the destination") &&
+                          Catch::Contains("copy at most " + std::to_string(a.nbytes()) + " bytes"));
     CHECK(c.size() == 0);
     c.copy(b.allocation(), a.allocation(), a.nbytes());
     CHECK_THROWS_AS(c.update_copy(0, std::nullopt, Allocation{a.allocation().va_addr, 4, nullptr}), InvalidArgument);
