@@ -77,12 +77,15 @@ class Compiled {
   // through Events. InvalidArgument on devices without streams (capabilities().streams).
   virtual std::shared_ptr<Stream> create_stream(const StreamOptions& options = {});
   // An Event completed once everything queued on the default queue so far (the plain
-  // Buffer::copyin, Program calls, Compiled::create_graph replays, hand-made HCQ queues) has
-  // finished: what a stream waits for (Stream::wait) before it reads what the default queue
-  // wrote. A Buffer::copyin may still be landing when it returns (CUDA's staged copies), and
-  // nothing else orders a stream after it. HCQ devices return at once with their timeline's
-  // last value; the default synchronizes the device first and returns a completed Event.
-  // DeviceFault on a faulted device.
+  // Buffer::copyin, Program calls, Compiled::create_graph replays, hand-made HCQ queues that
+  // signal the timeline) has finished: what a stream waits for (Stream::wait) before it reads
+  // what the default queue wrote. A Buffer::copyin may still be landing when it returns (CUDA's
+  // staged copies), and nothing else orders a stream after it. HCQ devices do not wait for the
+  // work (a completed Event if it finished, else one more small submission: Note [Recorded
+  // events] in tinydev/hcq_device.hpp), though they take the device's submit lock, which another
+  // thread's synchronize or staged copy may hold a while. The Event stays valid for the life of
+  // the process. The default synchronizes the device and returns a completed Event. DeviceFault
+  // on a faulted device.
   virtual Event record();
 
   // Sticky faults (docs/serving.md): "" while the device works; once one of its queues failed,

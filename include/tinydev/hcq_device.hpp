@@ -117,14 +117,34 @@ class HCQCompiled : public Compiled {
   // The timeline signal handle (changes when the timeline wraps or the device recovers; read it
   // under submit_mutex()).
   const Signal& timeline_signal() const noexcept { return timeline_signal_; }
-  // The default queue's last value, lazy work included (Compiled::record). The Event stays
-  // meaningful across one timeline wrap (Note [Timeline wrap]: the old slot keeps its final value
-  // until the next one, 2^31 submissions later).
+  // Note [Recorded events]
+  // Compiled::record: complete at once when the default queue's work (lazy work included) has
+  // finished; otherwise one more submission, after that work, writes the next value of a signal
+  // of the device's own that only grows. Not an Event on the timeline: a server records once
+  // after loading its weights and has streams wait on it for hours, while the timeline wraps
+  // (Note [Timeline wrap]) and its old slot is reset two wraps later, which would make a finished
+  // Event read as unfinished. Work before it that fails poisons that signal (a queue stops at a
+  // failed wait and poisons what it would signal), so the Event reports the failure; after
+  // recover() the next record takes a fresh signal, the failed one staying for its Events.
   Event record() override {
     check_usable();
     std::lock_guard lock(submit_mutex_);
-    const std::uint64_t value = last_submitted_value();
-    return Event(timeline_signal_, value, &name());
+    const std::uint64_t last = last_submitted_value();
+    if (timeline_slot_.load(std::memory_order_acquire)->value.load(std::memory_order_acquire) >= last) return Event();
+    if (!record_signal_.valid() || record_signal_.slot().poisoned.load(std::memory_order_acquire)) {
+      record_signal_ = pool_->alloc(0);  // a failed one is kept (never freed): its Events stay failed
+      records_ = 0;
+    }
+    auto reservation = reserve_timeline_value();
+    const std::uint64_t mark = records_ + 1;
+    compute_queue()
+        .wait(timeline_signal_, reservation.value() - 1)
+        .signal(record_signal_, mark)
+        .signal(timeline_signal_, reservation.value())
+        .submit(*this);
+    reservation.submitted();
+    records_ = mark;
+    return Event(record_signal_, mark, &name());
   }
   // The next value to signal on the timeline; value - 1 is the last one submitted.
   std::uint64_t timeline_value() const noexcept { return timeline_value_.load(std::memory_order_acquire); }
@@ -520,6 +540,8 @@ class HCQCompiled : public Compiled {
   std::uint64_t profile_hook_ = 0;
   std::uint64_t fork_generation_;
   bool wraps_timeline_ = true;
+  Signal record_signal_;       // Note [Recorded events]; guarded by submit_mutex_
+  std::uint64_t records_ = 0;  // its last value submitted
   mutable std::mutex abandoned_mutex_;
   std::vector<std::uint64_t> abandoned_;  // timeline values dropped unsubmitted, newest last (at most 64)
   std::atomic<bool> has_abandoned_{false};

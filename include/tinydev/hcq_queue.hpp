@@ -307,10 +307,11 @@ class HWCopyQueue : public HWCommandQueue<Derived, Command> {
   static void check_copy(const Allocation& dest, const Allocation& src, std::size_t size) {
     if (size > dest.size || size > src.size) {
       const char* which = size > dest.size ? "destination" : "source";
+      const char* larger = size > dest.size && size > src.size ? "larger allocations" : size > dest.size ? "a larger destination" : "a larger source";
       throw InvalidArgument(fmt::format(TINYDEV_FMT("copy of {} bytes runs past the end of the {} ({} bytes): copy "
-                                                    "at most {} bytes, or give a larger {}"),
+                                                    "at most {} bytes, or give {}"),
                                         size, which, size > dest.size ? dest.size : src.size,
-                                        std::min(dest.size, src.size), which));
+                                        std::min(dest.size, src.size), larger));
     }
   }
 };

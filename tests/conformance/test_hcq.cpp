@@ -241,6 +241,16 @@ TEST_CASE("hcq: the timeline started at 2^32-20 rolls over with all work still c
     auto ping = load_program(dev, "ping", inc_kernel("ping"));
     Buffer a = int_counter(dev), b = int_counter(dev);
     dev.synchronize();
+    // An Event of the default queue recorded while work is held (Note [Recorded events]): it
+    // must stay complete across two wraps, after which the timeline's old slot is reset.
+    Signal gate = dev.alloc_signal(0);
+    submit_ordered(dev, [&](auto& q) { q.wait(gate, 1); });
+    const Event recorded = dev.record();
+    CHECK_FALSE(recorded.query());
+    gate.set(1);
+    recorded.wait(std::chrono::seconds(5));
+    dev.synchronize();
+    dev.free_signal(gate);
     dev.set_timeline_for_testing((1ull << 32) - 20);
     const Signal old_timeline = dev.timeline_signal();
     Kernargs args = dev.alloc_kernargs(2, 0);
@@ -263,6 +273,14 @@ TEST_CASE("hcq: the timeline started at 2^32-20 rolls over with all work still c
     big.copyout(back);
     hcq_allocator(dev).set_force_staging(false);
     CHECK(back == data);
+    // A second wrap: the first timeline's slot is now reset, the recorded Event's signal is not.
+    dev.set_timeline_for_testing((1ull << 32) - 20);
+    for (int i = 0; i < 3; ++i) submit_ordered(dev, [&](auto& q) { q.exec(*ping, args, {1, 1, 1}, {1, 1, 1}); });
+    dev.synchronize();
+    CHECK(dev.timeline_value() < 100);
+    CHECK(dev.timeline_signal() == old_timeline);  // the first slot again, reset to 0
+    CHECK(recorded.query());
+    CHECK(read_int(a) == 43);
   }, Needs{.kernels = true, .cuda_too = true});
 }
 

@@ -120,9 +120,11 @@ TEST_CASE("serving: after a queue failure every call throws DeviceFault naming i
     Signal gate = dev.alloc_signal(0);
     const std::string cause = "injected failure " + std::to_string(fresh_seed() % 100000);
     submit_ordered(dev, [&](auto& q) { q.wait(gate, 1); });
+    const Event before_failure = dev.record();  // ends after the failing queue: fails with it
     gate.poison(cause);
     CHECK_THROWS_AS(dev.synchronize(), DeviceFault);
     REQUIRE_THAT(dev.fault(), Catch::Contains(cause));
+    CHECK_THROWS_AS(before_failure.wait(5000ms), DeviceFault);
     // Every later call says so, naming the first failure; none reports success without its work.
     const auto fresh = random_floats(n, fresh_seed());
     CHECK_THROWS_AS(ba.copyin(bytes_of(fresh)), DeviceFault);
@@ -148,8 +150,17 @@ TEST_CASE("serving: after a queue failure every call throws DeviceFault naming i
     (*add)(args, values);
     out.copyout(bytes_of(back));
     CHECK(back == add_reference(a, b));
+    // record() works again: its Event waits for held work and completes with it.
+    Signal gate2 = dev.alloc_signal(0);
+    submit_ordered(dev, [&](auto& q) { q.wait(gate2, 1); });
+    const Event after_recovery = dev.record();
+    CHECK_FALSE(after_recovery.query());
+    gate2.set(1);
+    after_recovery.wait(5000ms);
+    CHECK_THROWS_AS(before_failure.query(), DeviceFault);  // the failed one stays failed
     dev.synchronize();
     dev.free_signal(gate);
+    dev.free_signal(gate2);
   }, kHcqKernels);
 }
 
@@ -313,7 +324,9 @@ TEST_CASE("serving: an event whose signal reached it only after a poison is no s
       // touching the device and replays its graph again").
       CHECK_THAT(stream->recover(), Catch::Contains(reason));
       CHECK(stream->fault().empty());
-      // And runs work again: a kernel, then a copyout that must see its result.
+      // And runs work again: a kernel, then a copyout that must see its result (the output
+      // first holds noise: the first pass left it the sum).
+      stream->copyin(ops.out, bytes_of(random_floats(n, fresh_seed())));
       launch_add(*stream, add, ops.out, ops.ba, ops.bb, n);
       stream->copyout(bytes_of(back), ops.out).wait(5000ms);
       CHECK(back == add_reference(ops.a, ops.b));

@@ -2390,14 +2390,21 @@ TEST_CASE("cuda fake: a copyin after a copyout that timed out with chunks still 
   dest.allocate();
   dev->synchronize();
   std::thread unhold;
+  // Whatever fails below, the fake lets go, the thread ends and the ring gets its shape back.
   struct Cleanup {
     void (*hold)(int);
     std::thread& unhold;
+    HCQAllocator<cuda::CudaHCQDevice>& allocator;
+    std::size_t slot, slots;
     ~Cleanup() {
       if (unhold.joinable()) unhold.join();
       hold(0);
+      try {
+        allocator.set_staging_shape(slot, slots);
+      } catch (const std::exception&) {
+      }
     }
-  } cleanup{hold, unhold};
+  } cleanup{hold, unhold, allocator, old_slot, old_slots};
   // The copy engine stalls: the copyout queues a chunk into every slot and times out waiting for
   // the first (30 s), the chunks still queued.
   hold(1);
@@ -2407,11 +2414,11 @@ TEST_CASE("cuda fake: a copyin after a copyout that timed out with chunks still 
   CHECK(held >= 1);
   // A copyin now must wait for the slot it takes: the stalled chunk queued into it would write
   // the source's bytes over the copyin's once the engine goes on. The fake lets go in 50 ms.
+  const auto start = std::chrono::steady_clock::now();
   unhold = std::thread([&] {
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
     hold(0);
   });
-  const auto start = std::chrono::steady_clock::now();
   dest.copyin(std::span<const float>(y));
   CHECK(std::chrono::steady_clock::now() - start >= std::chrono::milliseconds(40));
   unhold.join();
@@ -2422,7 +2429,6 @@ TEST_CASE("cuda fake: a copyin after a copyout that timed out with chunks still 
   // The device goes on: the source round-trips whole.
   source.copyout(std::span<float>(back));
   CHECK(back == x);
-  allocator.set_staging_shape(old_slot, old_slots);
 }
 
 TEST_CASE("cuda fake: a GPU wait submitted while a free is inside the driver reaches the GPU only after it - the free is not held", "[cuda][fake]") {
