@@ -129,8 +129,8 @@ class HCQCompiled : public Compiled {
   Event record() override {
     check_usable();
     std::lock_guard lock(submit_mutex_);
-    const std::uint64_t last = last_submitted_value();
-    if (timeline_slot_.load(std::memory_order_acquire)->value.load(std::memory_order_acquire) >= last) return Event();
+    signal_lazy_work_now();     // so that idle() says whether everything submitted finished
+    if (idle()) return Event();
     if (!record_signal_.valid() || record_signal_.slot().poisoned.load(std::memory_order_acquire)) {
       record_signal_ = pool_->alloc(0);  // a failed one is kept (never freed): its Events stay failed
       records_ = 0;

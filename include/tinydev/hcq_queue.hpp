@@ -305,14 +305,15 @@ class HWCopyQueue : public HWCommandQueue<Derived, Command> {
 
   // InvalidArgument when a copy of `size` bytes runs past either allocation.
   static void check_copy(const Allocation& dest, const Allocation& src, std::size_t size) {
-    if (size > dest.size || size > src.size) {
-      const char* which = size > dest.size ? "destination" : "source";
-      const char* larger = size > dest.size && size > src.size ? "larger allocations" : size > dest.size ? "a larger destination" : "a larger source";
-      throw InvalidArgument(fmt::format(TINYDEV_FMT("copy of {} bytes runs past the end of the {} ({} bytes): copy "
-                                                    "at most {} bytes, or give {}"),
-                                        size, which, size > dest.size ? dest.size : src.size,
-                                        std::min(dest.size, src.size), larger));
-    }
+    const bool dest_short = size > dest.size, src_short = size > src.size;
+    if (!dest_short && !src_short) return;
+    throw InvalidArgument(fmt::format(TINYDEV_FMT("copy of {} bytes runs past the end of the {} ({} bytes): copy at "
+                                                  "most {} bytes, or give {}"),
+                                      size, dest_short ? "destination" : "source", dest_short ? dest.size : src.size,
+                                      std::min(dest.size, src.size),
+                                      dest_short && src_short ? "larger allocations"
+                                      : dest_short            ? "a larger destination"
+                                                              : "a larger source"));
   }
 };
 

@@ -302,23 +302,38 @@ void synchronize_streams(FakeDevice& device) {
   }
   for (FakeStream* s : streams) s->synchronize();
 }
+// A point where tests hold the fake: while held, whoever reaches it waits (counted under
+// `counter` in fake_cuda_calls) until it is let go.
+struct TestHold {
+  const char* counter;
+  std::mutex mutex;
+  std::condition_variable changed;
+  bool held = false;
+  void set(int hold) {
+    {
+      std::lock_guard lock(mutex);
+      held = hold != 0;
+    }
+    changed.notify_all();
+  }
+  void wait_while_held() {
+    std::unique_lock lock(mutex);
+    if (!held) return;
+    count_call(counter);
+    changed.wait(lock, [&] { return !held; });
+  }
+};
 // Tests hold implicit synchronizations before they start (fake_cuda_hold_implicit_synchronization),
 // to submit work while a free is inside the driver.
-std::mutex g_hold_mutex;
-std::condition_variable g_hold_changed;
-bool g_hold = false;
-void wait_while_held() {
-  std::unique_lock lock(g_hold_mutex);
-  if (!g_hold) return;
-  count_call("held implicit synchronization");
-  g_hold_changed.wait(lock, [] { return !g_hold; });
-}
+TestHold g_synchronization_hold{"held implicit synchronization"};
+// And copies from device memory into pinned host memory (fake_cuda_hold_copies_to_host).
+TestHold g_copy_to_host_hold{"held copy to host"};
 // What cuMemFree, cuMemFreeHost and cuModuleUnload do before they free (the driver may
 // synchronize the context; the fake always does).
 void synchronize_implicitly(FakeDevice* device) {
   if (!device) return;
   count_call("implicit synchronization");
-  wait_while_held();
+  g_synchronization_hold.wait_while_held();
   synchronize_streams(*device);
 }
 
@@ -499,32 +514,11 @@ extern "C" void fake_cuda_limit_pinned_bytes(std::size_t limit) { g_pinned_limit
 // What tests ask the fake: while `hold` is nonzero, an implicit synchronization (cuMemFree,
 // cuMemFreeHost, cuModuleUnload) waits before it looks at the streams; fake_cuda_calls("held
 // implicit synchronization") counts the ones that waited.
-extern "C" void fake_cuda_hold_implicit_synchronization(int hold) {
-  {
-    std::lock_guard lock(g_hold_mutex);
-    g_hold = hold != 0;
-  }
-  g_hold_changed.notify_all();
-}
+extern "C" void fake_cuda_hold_implicit_synchronization(int hold) { g_synchronization_hold.set(hold); }
 
 // What tests ask the fake: while `hold` is nonzero, a queued copy from device memory into pinned
 // host memory waits when its stream reaches it (the staging ring's device-to-host chunks).
-std::mutex g_copy_hold_mutex;
-std::condition_variable g_copy_hold_changed;
-bool g_copy_hold = false;
-extern "C" void fake_cuda_hold_copies_to_host(int hold) {
-  {
-    std::lock_guard lock(g_copy_hold_mutex);
-    g_copy_hold = hold != 0;
-  }
-  g_copy_hold_changed.notify_all();
-}
-void wait_while_copies_held() {
-  std::unique_lock lock(g_copy_hold_mutex);
-  if (!g_copy_hold) return;
-  count_call("held copy to host");
-  g_copy_hold_changed.wait(lock, [] { return !g_copy_hold; });
-}
+extern "C" void fake_cuda_hold_copies_to_host(int hold) { g_copy_to_host_hold.set(hold); }
 
 // What tests ask the fake: whether the backend enabled device `from`'s access to `to`'s memory.
 extern "C" int fake_cuda_peer_enabled(int from, int to) {
@@ -835,7 +829,7 @@ CUresult CUDAAPI cuMemcpyAsync(CUdeviceptr dest, CUdeviceptr src, size_t size, C
   }
   const CUresult r = submit(stream, [=] {
     if (!copy_ends_ok(dest, src, size)) return CUDA_ERROR_ILLEGAL_ADDRESS;
-    if (to == -1 && from >= 0) wait_while_copies_held();
+    if (to == -1 && from >= 0) g_copy_to_host_hold.wait_while_held();
     return device_copy(reinterpret_cast<void*>(dest), reinterpret_cast<const void*>(src), size);
   });
   if (r != CUDA_SUCCESS || !stream || !(to == -2 || (to < 0 && from < 0))) return r;
