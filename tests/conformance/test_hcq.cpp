@@ -242,7 +242,12 @@ TEST_CASE("hcq: the timeline started at 2^32-20 rolls over with all work still c
     Buffer a = int_counter(dev), b = int_counter(dev);
     dev.synchronize();
     // An Event of the default queue recorded while work is held (Note [Recorded events]): it
-    // must stay complete across two wraps, after which the timeline's old slot is reset.
+    // must stay complete across two wraps, after which the timeline's old slot is reset. The
+    // timeline is first taken past 150, so an Event on it (the mistake this guards against)
+    // would wait for a value the reset slot does not reach after the second wrap (< 100).
+    for (int i = 0; i < 150; ++i) submit_ordered(dev, [](auto&) {});
+    dev.synchronize();
+    REQUIRE(dev.timeline_value() > 150);
     Signal gate = dev.alloc_signal(0);
     submit_ordered(dev, [&](auto& q) { q.wait(gate, 1); });
     const Event recorded = dev.record();

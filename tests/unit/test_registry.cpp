@@ -1,4 +1,5 @@
 #include <algorithm>
+#include <utility>
 #include <thread>
 
 #include "support.hpp"
@@ -108,4 +109,45 @@ TEST_CASE("registry: available lists the backends whose first device opens and s
   std::vector<std::string> sorted = available;
   std::sort(sorted.begin(), sorted.end());
   CHECK(std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end());
+}
+
+namespace {
+// A device without a timeline whose pending work can fail while synchronize() drains it: what the
+// default Compiled::record sees on a backend that keeps no Events of its own.
+class DrainingDevice final : public Compiled {
+ public:
+  explicit DrainingDevice(const std::string& name)
+      : Compiled(name, std::make_shared<FakeAllocator>(), std::make_unique<FakeCompiler>(), nullptr,
+                 SourceLanguage::None) {}
+  void synchronize() override {
+    ++synchronizes;
+    if (pending_fails) fault_ = "kernel 'k' failed: fake launch failure";
+    pending_fails = false;
+  }
+  std::string fault() const override { return fault_; }
+  std::string recover(std::chrono::milliseconds) override { return std::exchange(fault_, {}); }
+  int synchronizes = 0;
+  bool pending_fails = false;
+
+ private:
+  std::string fault_;
+};
+}  // namespace
+
+TEST_CASE("registry: the default Compiled::record drains the device and reports a fault that drain found",
+          "[registry]") {
+  DrainingDevice dev("DRAIN:" + std::to_string(fresh_seed() % 1000));
+  const Event done = dev.record();
+  CHECK(dev.synchronizes == 1);
+  CHECK(done.query());
+  CHECK_FALSE(done.signal().valid());  // complete from the start: no signal to outlive the device
+
+  // The work queued before record() fails while it drains: the fault is reported, not a success.
+  dev.pending_fails = true;
+  CHECK_THROWS_AS(dev.record(), DeviceFault);
+  CHECK(dev.synchronizes == 2);
+  CHECK_THROWS_WITH(dev.record(), Catch::Contains(dev.name()) && Catch::Contains("fake launch failure") &&
+                                      Catch::Contains("recover()"));
+  CHECK(dev.recover(std::chrono::seconds(1)) == "kernel 'k' failed: fake launch failure");
+  CHECK(dev.record().query());
 }
