@@ -11,8 +11,9 @@
 // stream, ordered on the device's timeline like a direct call (CudaHCQDevice::run_ordered). A
 // replay with unchanged inputs patches nothing. The driver refuses some patches
 // (CUDA_ERROR_INVALID_VALUE): a copy whose memory now belongs to another context, or is host
-// memory where it was device memory; then the graph is built and instantiated again for these
-// inputs (the old executable graph is freed by the driver once a launch still running finished).
+// memory where it was device memory; then a CUDA graph is built and instantiated for these inputs
+// and replaces the executable graph that refused (the driver frees that one once a launch still
+// running finished; Note [CUDA graph instances]).
 // A copy of 0 bytes is an empty node (the driver takes no zero-length copy node), and a kernel
 // without parameters gets no argument buffer.
 //
@@ -25,7 +26,13 @@
 // least recently launched instance, unless its inputs were among the last kRecentInputSets
 // replays' (they come back) and there is room: then it instantiates one more for them. Inputs
 // seen once are patched in, never instantiated, so a stream of new buffers costs no instantiation
-// and no memory. A rebuild (other overlaps, a refused patch) drops every instance.
+// and no memory. Each instance is patched through the node handles of the CUDA graph it was
+// instantiated from (a Built), so a refused patch (memory the driver cannot patch into that
+// graph's nodes: pinned host memory where it had device memory) builds a CUDA graph for these
+// inputs and replaces only the instance that refused: inputs of either kind that come back keep
+// an instance each, where dropping every instance would build again at every change of kind.
+// New instances come from the newest Built; one no instance uses is destroyed. Inputs that
+// overlap other buffers differently drop every instance (the dependencies change).
 //
 // Note [CUDA graph dependencies]
 // Each node depends only on the earlier nodes its memory conflicts with, as in tinygrad's CUDA
@@ -163,8 +170,18 @@ class CudaGraph final : public Graph {
   static constexpr std::size_t kMaxInstances = 4;
   static constexpr std::size_t kRecentInputSets = 8;
 
+  // A CUDA graph as built for one replay's inputs: its node handles (what patches name) and the
+  // arguments and addresses its nodes hold.
+  struct Built {
+    CUgraph graph = nullptr;
+    std::vector<CUgraphNode> handles;
+    std::vector<std::vector<std::byte>> args;                     // per kernel node
+    std::vector<std::pair<std::uint64_t, std::uint64_t>> copies;  // per copy node: (dest, src)
+  };
+
   struct Instance {
     CUgraphExec exec = nullptr;
+    const Built* built = nullptr;                                 // instantiated from it; in builts_
     std::vector<std::vector<std::byte>> args;                     // per kernel node, as patched last
     std::vector<std::pair<std::uint64_t, std::uint64_t>> copies;  // per copy node: (dest, src)
     // The inputs (address, size: overlaps depend on sizes too) and variables it was patched for;
@@ -202,7 +219,8 @@ class CudaGraph final : public Graph {
   }
 
   // The instance to launch for these inputs: one that holds them, or one patched or made for them
-  // (the graph built first, or again when the overlaps changed or the driver refused a patch).
+  // (the graph built first or again when the overlaps changed; an instance of a graph built for
+  // them where the driver refused a patch).
   Instance& instance_for(std::span<const Allocation> inputs, std::span<const std::int32_t> variables) {
     const DeviceState& s = device_.state();
     // Every replay is remembered, those an instance serves too, so sets that alternate stay
@@ -213,14 +231,13 @@ class CudaGraph final : public Graph {
     recent_next_ = (recent_next_ + 1) % recent_.size();
     for (Instance& instance : instances_)
       if (describes(instance, inputs, variables)) return instance;
-    if (!graph_) {
+    if (instances_.empty()) {  // the first replay, or a build whose instantiation failed
       build(inputs, variables);
       return instances_.front();
     }
     if (overlaps(inputs) != overlaps_) {
       debug_log(2, s.name, "graph replay: the inputs overlap other buffers differently than when the graph was "
                            "built: building it again (Note [CUDA graph dependencies])");
-      destroy();
       build(inputs, variables);
       return instances_.front();
     }
@@ -239,12 +256,24 @@ class CudaGraph final : public Graph {
       target = &*std::min_element(instances_.begin(), instances_.end(),
                                   [](const Instance& a, const Instance& b) { return a.launched < b.launched; });
     if (!patch(*target, inputs, variables)) {
-      destroy();
-      build(inputs, variables);
-      return instances_.front();
+      rebuild(*target, inputs, variables);
+      return *target;
     }
     remember(*target, inputs, variables);
     return *target;
+  }
+
+  // Replaces `instance`, whose graph's nodes the driver cannot patch these inputs into, with an
+  // instance of a CUDA graph built for them (Note [CUDA graph instances]). Throws what the
+  // driver says, leaving `instance` in place (describing no inputs) and every other instance.
+  void rebuild(Instance& instance, std::span<const Allocation> inputs, std::span<const std::int32_t> variables) {
+    const DeviceState& s = device_.state();
+    Built& built = build_graph(inputs, variables);
+    Instance fresh = make_instance(built);
+    s.api.cuGraphExecDestroy(instance.exec);  // freed once a launch still running finished
+    instance = std::move(fresh);
+    remember(instance, inputs, variables);
+    drop_unused_builts();
   }
 
   // The node's arguments for this replay, packed (8-byte addresses, then 4-byte values).
@@ -360,25 +389,44 @@ class CudaGraph final : public Graph {
     return deps;
   }
 
-  // Destroys the instantiated graphs and the graph (a launch still running finishes first).
+  // Destroys the instantiated graphs and the graphs (a launch still running finishes first).
   void destroy() {
     const DeviceState& s = device_.state();
     for (const Instance& instance : instances_) s.api.cuGraphExecDestroy(instance.exec);
     instances_.clear();
-    if (graph_) s.api.cuGraphDestroy(graph_);
-    graph_ = nullptr;
+    for (const std::unique_ptr<Built>& built : builts_) s.api.cuGraphDestroy(built->graph);
+    builts_.clear();
   }
 
-  // One more executable graph of graph_, holding the arguments the graph was built with (then
-  // patched by the caller). Throws what the driver says.
-  Instance& instantiate() {
+  // Destroys the CUDA graphs no instance was made from, but the newest (new instances come from it).
+  void drop_unused_builts() {
+    if (builts_.empty()) return;
+    const DeviceState& s = device_.state();
+    const Built* newest = builts_.back().get();
+    std::erase_if(builts_, [&](const std::unique_ptr<Built>& built) {
+      const bool used = built.get() == newest ||
+                        std::ranges::any_of(instances_, [&](const Instance& i) { return i.built == built.get(); });
+      if (!used) s.api.cuGraphDestroy(built->graph);
+      return !used;
+    });
+  }
+
+  // An executable graph of `built`, holding the arguments it was built with (then patched by the
+  // caller). Throws what the driver says.
+  Instance make_instance(const Built& built) {
     const DeviceState& s = device_.state();
     Instance instance;
-    instance.args = built_args_;  // first: nothing after the driver call may throw
-    instance.copies = built_copies_;
-    check_call(s.api.cuGraphInstantiate(&instance.exec, graph_, 0),
+    instance.built = &built;
+    instance.args = built.args;  // first: nothing after the driver call may throw
+    instance.copies = built.copies;
+    check_call(s.api.cuGraphInstantiate(&instance.exec, built.graph, 0),
                fmt::format("cuGraphInstantiate of a graph of {} nodes (executable graph {} of at most {})",
-                           nodes_.size(), instances_.size() + 1, kMaxInstances));
+                           nodes_.size(), std::min(instances_.size() + 1, kMaxInstances), kMaxInstances));
+    return instance;
+  }
+  // One more executable graph, of the newest CUDA graph.
+  Instance& instantiate() {
+    Instance instance = make_instance(*builts_.back());
     instances_.push_back(std::move(instance));  // reserved: no allocation
     return instances_.back();
   }
@@ -434,61 +482,78 @@ class CudaGraph final : public Graph {
     return c;
   }
 
+  // The first build, or one for inputs that overlap other buffers differently: every instance
+  // goes, and one instance of a CUDA graph built for these inputs is left.
   void build(std::span<const Allocation> inputs, std::span<const std::int32_t> variables) {
-    const DeviceState& s = device_.state();
-    built_args_.assign(nodes_.size(), {});
-    built_copies_.assign(nodes_.size(), {0, 0});
-    handles_.assign(nodes_.size(), nullptr);
+    destroy();
     overlaps_ = overlaps(inputs);
+    build_graph(inputs, variables);
+    remember(instantiate(), inputs, variables);
+  }
+
+  // A CUDA graph of the nodes for these inputs (whose overlaps() are overlaps_), added to
+  // builts_ as the newest. Throws what the driver says, having destroyed what it made.
+  Built& build_graph(std::span<const Allocation> inputs, std::span<const std::int32_t> variables) {
+    const DeviceState& s = device_.state();
+    auto built = std::make_unique<Built>();
+    built->args.assign(nodes_.size(), {});
+    built->copies.assign(nodes_.size(), {0, 0});
+    built->handles.assign(nodes_.size(), nullptr);
     const std::vector<std::vector<std::size_t>> dependencies = this->dependencies(inputs, overlaps_);
     std::size_t edges = 0;
-    check_call(s.api.cuGraphCreate(&graph_, 0), "cuGraphCreate");
+    drop_unused_builts();  // so that the reserve below holds every Built that can be
+    check_call(s.api.cuGraphCreate(&built->graph, 0), "cuGraphCreate");
     try {
       std::vector<CUgraphNode> before;
       for (std::size_t i = 0; i < nodes_.size(); ++i) {
         before.clear();
-        for (const std::size_t d : dependencies[i]) before.push_back(handles_[d]);
+        for (const std::size_t d : dependencies[i]) before.push_back(built->handles[d]);
         const CUgraphNode* after = before.empty() ? nullptr : before.data();
         const std::size_t deps = before.size();
         edges += deps;
+        CUgraphNode* node = &built->handles[i];
         if (const auto* k = std::get_if<GraphKernel>(&nodes_[i])) {
-          built_args_[i] = pack(*k, inputs, variables);
+          built->args[i] = pack(*k, inputs, variables);
           CUDA_KERNEL_NODE_PARAMS p;
           void* extra[5];
           std::size_t size;
-          kernel_params(i, built_args_[i], p, extra, size);
-          check_call(s.api.cuGraphAddKernelNode(&handles_[i], graph_, after, deps, &p),
+          kernel_params(i, built->args[i], p, extra, size);
+          check_call(s.api.cuGraphAddKernelNode(node, built->graph, after, deps, &p),
                      fmt::format("adding kernel '{}' with grid ({},{},{}) and block ({},{},{}) to a graph (node {})",
                                  k->program->name(), k->launch.global[0], k->launch.global[1], k->launch.global[2],
                                  k->launch.local[0], k->launch.local[1], k->launch.local[2], i));
         } else if (const auto& c = std::get<GraphCopy>(nodes_[i]); c.size == 0) {
-          check_call(s.api.cuGraphAddEmptyNode(&handles_[i], graph_, after, deps),
+          check_call(s.api.cuGraphAddEmptyNode(node, built->graph, after, deps),
                      fmt::format("adding an empty node for a copy of 0 bytes to a graph (node {})", i));
         } else {
-          built_copies_[i] = {resolve(c.dest, inputs).va_addr, resolve(c.src, inputs).va_addr};
-          const CUDA_MEMCPY3D params = copy_params(built_copies_[i].first, built_copies_[i].second, c.size);
-          check_call(s.api.cuGraphAddMemcpyNode(&handles_[i], graph_, after, deps, &params, s.context),
+          built->copies[i] = {resolve(c.dest, inputs).va_addr, resolve(c.src, inputs).va_addr};
+          const CUDA_MEMCPY3D params = copy_params(built->copies[i].first, built->copies[i].second, c.size);
+          check_call(s.api.cuGraphAddMemcpyNode(node, built->graph, after, deps, &params, s.context),
                      fmt::format("adding a copy of {} bytes to a graph (node {})", c.size, i));
         }
       }
-      remember(instantiate(), inputs, variables);
-      debug_log(2, s.name, "graph of {} nodes built with {} dependencies (Note [CUDA graph dependencies])",
-                nodes_.size(), edges);
+      builts_.reserve(kMaxInstances + 2);  // first: nothing after it may throw
     } catch (...) {
-      destroy();
+      s.api.cuGraphDestroy(built->graph);
       throw;
     }
+    debug_log(2, s.name, "graph of {} nodes built with {} dependencies (Note [CUDA graph dependencies])",
+              nodes_.size(), edges);
+    builts_.push_back(std::move(built));
+    return *builts_.back();
   }
 
   // Patches the nodes of `instance` whose inputs changed. False when the driver refuses a patch
-  // (CUDA_ERROR_INVALID_VALUE, Note [CUDA graph replay]): the caller builds the graph again.
+  // (CUDA_ERROR_INVALID_VALUE, Note [CUDA graph replay]): the caller replaces the instance.
   bool patch(Instance& instance, std::span<const Allocation> inputs, std::span<const std::int32_t> variables) {
     instance.complete = false;  // until every patch landed, it describes no inputs
     const DeviceState& s = device_.state();
     const auto refused = [&](CUresult r, std::size_t i, std::string_view what) {
       if (r == CUDA_ERROR_INVALID_VALUE) {
-        debug_log(2, s.name, "graph node {} ({}): the driver refuses the patch ({}): building the graph again", i,
-                  what, describe(r));
+        debug_log(2, s.name,
+                  "graph node {} ({}): the driver refuses the patch ({}): a graph built for these inputs replaces "
+                  "that executable graph (Note [CUDA graph instances])",
+                  i, what, describe(r));
         return true;
       }
       check_call(r, fmt::format("patching {} of a graph (node {})", what, i));
@@ -503,7 +568,7 @@ class CudaGraph final : public Graph {
         void* extra[5];
         std::size_t size;
         kernel_params(i, instance.args[i], p, extra, size);
-        if (const CUresult r = s.api.cuGraphExecKernelNodeSetParams(instance.exec, handles_[i], &p);
+        if (const CUresult r = s.api.cuGraphExecKernelNodeSetParams(instance.exec, instance.built->handles[i], &p);
             r != CUDA_SUCCESS) {
           instance.args[i].clear();  // unknown now: the next patch sets it again
           if (refused(r, i, fmt::format("kernel '{}'", k->program->name()))) return false;
@@ -515,7 +580,7 @@ class CudaGraph final : public Graph {
                                                           resolve(c.src, inputs).va_addr};
         if (now == instance.copies[i]) continue;
         const CUDA_MEMCPY3D params = copy_params(now.first, now.second, c.size);
-        if (const CUresult r = s.api.cuGraphExecMemcpyNodeSetParams(instance.exec, handles_[i], &params, s.context);
+        if (const CUresult r = s.api.cuGraphExecMemcpyNodeSetParams(instance.exec, instance.built->handles[i], &params, s.context);
             r != CUDA_SUCCESS) {
           if (refused(r, i, fmt::format("a copy of {} bytes", c.size))) return false;
         }
@@ -529,10 +594,9 @@ class CudaGraph final : public Graph {
   std::vector<Allocation> fixed_;      // the distinct fixed buffers (Note [CUDA graph dependencies])
   std::vector<std::vector<Use>> uses_;  // per node
   std::vector<std::pair<std::uint32_t, std::uint32_t>> overlaps_;  // overlaps() when built
-  CUgraph graph_ = nullptr;
-  std::vector<CUgraphNode> handles_;
-  std::vector<std::vector<std::byte>> built_args_;                     // per kernel node, in graph_
-  std::vector<std::pair<std::uint64_t, std::uint64_t>> built_copies_;  // per copy node, in graph_
+  // The CUDA graphs the instances were made from, newest last (Note [CUDA graph instances]): at
+  // most one per instance and the newest, and one more while a graph is being built.
+  std::vector<std::unique_ptr<Built>> builts_;
   std::vector<Instance> instances_;  // Note [CUDA graph instances]; references stay valid: reserved
   std::uint64_t launches_ = 0;
   std::vector<std::byte> scratch_;  // patch's packing buffer

@@ -1173,10 +1173,13 @@ TEST_CASE("cuda fake: a graph whose copy moves to memory the driver cannot patch
   const std::size_t n = 512;
   const std::int32_t count[] = {static_cast<std::int32_t>(n)};
   // in0 = in1 (a copy), an empty copy, nop, in2 = in0 + in0.
-  auto graph = dev->create_graph(
-      {GraphKernel{nop, {}, {}}, GraphCopy{GraphBuffer::in(0), GraphBuffer::in(1), n * 4},
-       GraphCopy{GraphBuffer::in(0), GraphBuffer::in(1), 0},
-       GraphKernel{add, {GraphBuffer::in(2), GraphBuffer::in(0), GraphBuffer::in(0)}, {GraphValue::var(0)}}});
+  const auto make_graph = [&] {
+    return dev->create_graph(
+        {GraphKernel{nop, {}, {}}, GraphCopy{GraphBuffer::in(0), GraphBuffer::in(1), n * 4},
+         GraphCopy{GraphBuffer::in(0), GraphBuffer::in(1), 0},
+         GraphKernel{add, {GraphBuffer::in(2), GraphBuffer::in(0), GraphBuffer::in(0)}, {GraphValue::var(0)}}});
+  };
+  auto graph = make_graph();
   Buffer mid(dev->name(), n, dtypes::float32), out(dev->name(), n, dtypes::float32);
   Buffer device_src(dev->name(), n, dtypes::float32), pinned_src(dev->name(), n, dtypes::float32, BufferOptions{.host = true});
   mid.allocate();
@@ -1193,19 +1196,67 @@ TEST_CASE("cuda fake: a graph whose copy moves to memory the driver cannot patch
     for (std::size_t i = 0; i < n; ++i) REQUIRE(got[i] == x[i] + x[i]);
   };
   const long built = fake_calls("cuGraphInstantiateWithFlags");
+  // Graphs and executable graphs made and not destroyed.
+  const auto graphs_alive = [] { return fake_calls("cuGraphCreate") - fake_calls("cuGraphDestroy"); };
+  const auto execs_alive = [] {
+    return fake_calls("cuGraphInstantiateWithFlags") - fake_calls("cuGraphExecDestroy");
+  };
+  const long alive_before = graphs_alive(), execs_before = execs_alive();
   replay_from(device_src);
   CHECK(fake_calls("cuGraphInstantiateWithFlags") == built + 1);
-  // Device memory to pinned host memory: the driver refuses the copy node's patch.
+  // Device memory to pinned host memory: the driver refuses the copy node's patch, and an
+  // instance of a graph built for these inputs replaces the one that refused.
   replay_from(pinned_src);
   CHECK(fake_calls("cuGraphInstantiateWithFlags") == built + 2);
+  CHECK(graphs_alive() == alive_before + 1);  // the first graph, which no instance uses now, went
+  CHECK(execs_alive() == execs_before + 1);  // and the executable graph that refused
   replay_from(pinned_src);  // the same inputs: nothing patched, nothing built
   CHECK(fake_calls("cuGraphInstantiateWithFlags") == built + 2);
   // Inputs seen again (Note [CUDA graph instances]): an instance of their own, instantiated from
-  // the graph as built (pinned), whose patch the driver refuses as well: built again.
+  // the newest graph (pinned), whose patch the driver refuses as well: replaced by an instance of
+  // a graph built for them, while the pinned inputs keep theirs.
   replay_from(device_src);
   CHECK(fake_calls("cuGraphInstantiateWithFlags") == built + 4);
   replay_from(device_src);
   CHECK(fake_calls("cuGraphInstantiateWithFlags") == built + 4);
+  // Both kinds coming back in turn: each has its instance, nothing is patched or built again
+  // (dropping every instance at a refused patch built twice at every change of kind).
+  const long patches = fake_calls("cuGraphExecMemcpyNodeSetParams");
+  for (int round = 0; round < 3; ++round) {
+    replay_from(pinned_src);
+    replay_from(device_src);
+  }
+  CHECK(fake_calls("cuGraphInstantiateWithFlags") == built + 4);
+  CHECK(fake_calls("cuGraphExecMemcpyNodeSetParams") == patches);
+  CHECK(graphs_alive() == alive_before + 2);
+  CHECK(execs_alive() == execs_before + 2);
+  graph.reset();
+  CHECK(graphs_alive() == alive_before);
+  CHECK(execs_alive() == execs_before);
+
+  // An instantiation the driver refuses is an Error that leaves the graph working: at the first
+  // build (no instance yet: the next replay, of inputs not seen before, builds again), and where
+  // inputs seen again would get an instance of their own and then replace the one that refused a
+  // patch (that one stays, describing no inputs, and is patched or replaced later).
+  graph = make_graph();
+  const auto refused_instantiation = [&](Buffer& src) {
+    const FakeEnv fail("FAKE_CUDA_FAIL", "cuGraphInstantiateWithFlags=2");
+    CHECK_THROWS_WITH(replay_from(src), Catch::Contains("cuGraphInstantiate") && Catch::Contains("CUDA_ERROR_OUT_OF_MEMORY"));
+  };
+  refused_instantiation(device_src);  // one refused call
+  replay_from(pinned_src);
+  refused_instantiation(device_src);  // two: the extra instance, then the replacement
+  for (int round = 0; round < 3; ++round) {
+    replay_from(pinned_src);
+    replay_from(device_src);
+  }
+  const long settled = fake_calls("cuGraphInstantiateWithFlags");
+  replay_from(pinned_src);
+  replay_from(device_src);
+  CHECK(fake_calls("cuGraphInstantiateWithFlags") == settled);
+  graph.reset();
+  CHECK(graphs_alive() == alive_before);
+  CHECK(execs_alive() == execs_before + 3);  // fake_cuda_calls counts the three refused calls too
 }
 
 TEST_CASE("cuda fake: graph nodes that write nothing another reads have no dependency - and inputs that alias build the dependencies that then hold", "[cuda][fake]") {

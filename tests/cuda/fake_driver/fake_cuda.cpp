@@ -305,6 +305,7 @@ void synchronize_streams(FakeDevice& device) {
 // A point where tests hold the fake: while held, whoever reaches it waits (counted under
 // `counter` in fake_cuda_calls) until it is let go.
 struct TestHold {
+  explicit TestHold(const char* counter_name) : counter(counter_name) {}
   const char* counter;
   std::mutex mutex;
   std::condition_variable changed;
@@ -1184,6 +1185,7 @@ CUresult CUDAAPI cuGraphCreate(CUgraph* graph, unsigned int flags) {
   return CUDA_SUCCESS;
 }
 CUresult CUDAAPI cuGraphDestroy(CUgraph graph) {
+  count_call("cuGraphDestroy");  // counted, never failed: tests check what is still alive
   delete reinterpret_cast<FakeGraph*>(graph);
   return CUDA_SUCCESS;
 }
@@ -1219,6 +1221,7 @@ CUresult CUDAAPI cuGraphInstantiateWithFlags(CUgraphExec* exec, CUgraph graph, u
   return CUDA_SUCCESS;
 }
 CUresult CUDAAPI cuGraphExecDestroy(CUgraphExec exec) {
+  count_call("cuGraphExecDestroy");
   delete reinterpret_cast<FakeGraphExec*>(exec);
   return CUDA_SUCCESS;
 }
