@@ -3,8 +3,8 @@
 // Note [CUDA graph replay]
 // The first replay builds a CUDA graph from the nodes with the replay's inputs: a kernel node per
 // kernel (its arguments packed as a direct launch packs them) and a 1-D memcpy node per copy, each
-// depending on the node before it, so the graph runs the nodes in order as eager execution would;
-// then instantiates it. Each later replay packs every node's arguments again and patches, in the
+// depending on the earlier nodes its memory conflicts with (Note [CUDA graph dependencies]), so
+// the graph computes what eager execution in order would; then instantiates it. Each later replay packs every node's arguments again and patches, in the
 // instantiated graph, only the nodes whose arguments or addresses changed
 // (cuGraphExecKernelNodeSetParams, cuGraphExecMemcpyNodeSetParams; a patch affects later launches
 // only, so one still running is safe), then launches it with one cuGraphLaunch on the compute
@@ -20,13 +20,13 @@
 // Note [CUDA graph instances]
 // Patching costs a driver call per changed node, which on a GPU can cost more than the launch.
 // Servers often replay with a few input sets that come back (double-buffered inputs, buffers the
-// LRU cache hands out again), so a graph keeps up to kMaxInstances executable graphs of its one
-// CUDA graph, each remembering the inputs and variables it was last patched for. A replay whose
-// inputs an instance holds launches that instance and patches nothing. Otherwise it patches the
-// least recently launched instance, unless its inputs were among the last kRecentInputSets
-// replays' (they come back) and there is room: then it instantiates one more for them. Inputs
-// seen once are patched in, never instantiated, so a stream of new buffers costs no instantiation
-// and no memory. Each instance is patched through the node handles of the CUDA graph it was
+// LRU cache hands out again), so a graph keeps up to kMaxInstances executable graphs, each
+// remembering the inputs and variables it was last patched for. A replay whose inputs an
+// instance holds launches that instance and patches nothing. Otherwise it patches the least
+// recently launched instance, unless its inputs were among the last kRecentInputSets replays'
+// (they come back) and there is room: then it instantiates one more for them. Inputs seen once
+// are patched in, never instantiated (unless the driver refuses the patch, below), so a stream of
+// new buffers costs no instantiation and no memory. Each instance is patched through the node handles of the CUDA graph it was
 // instantiated from (a Built), so a refused patch (memory the driver cannot patch into that
 // graph's nodes: pinned host memory where it had device memory) builds a CUDA graph for these
 // inputs and replaces only the instance that refused: inputs of either kind that come back keep
@@ -420,8 +420,8 @@ class CudaGraph final : public Graph {
     instance.args = built.args;  // first: nothing after the driver call may throw
     instance.copies = built.copies;
     check_call(s.api.cuGraphInstantiate(&instance.exec, built.graph, 0),
-               fmt::format("cuGraphInstantiate of a graph of {} nodes (executable graph {} of at most {})",
-                           nodes_.size(), std::min(instances_.size() + 1, kMaxInstances), kMaxInstances));
+               fmt::format("cuGraphInstantiate of a graph of {} nodes (with {} executable graphs of at most {})",
+                           nodes_.size(), instances_.size(), kMaxInstances));
     return instance;
   }
   // One more executable graph, of the newest CUDA graph.

@@ -1163,7 +1163,7 @@ TEST_CASE("cuda fake: a graph replayed with input sets that come back keeps an i
   CHECK(instantiated() == built + 4);
 }
 
-TEST_CASE("cuda fake: a graph whose copy moves to memory the driver cannot patch in is built again - and empty copies and kernels without parameters run", "[cuda][fake]") {
+TEST_CASE("cuda fake: a graph whose copy moves to memory the driver cannot patch in gets an instance of a graph built for it - and empty copies and kernels without parameters run", "[cuda][fake]") {
   auto* dev = fake_hcq();
   if (!dev) return;
   auto add = dev->load_kernel("add", kernels::add_f32(SourceLanguage::CUDA));
@@ -1182,10 +1182,12 @@ TEST_CASE("cuda fake: a graph whose copy moves to memory the driver cannot patch
   auto graph = make_graph();
   Buffer mid(dev->name(), n, dtypes::float32), out(dev->name(), n, dtypes::float32);
   Buffer device_src(dev->name(), n, dtypes::float32), pinned_src(dev->name(), n, dtypes::float32, BufferOptions{.host = true});
+  Buffer other_pinned_src(dev->name(), n, dtypes::float32, BufferOptions{.host = true});
   mid.allocate();
   out.allocate();
   device_src.allocate();
   pinned_src.allocate();
+  other_pinned_src.allocate();
   const auto replay_from = [&](Buffer& src) {
     const auto x = random_floats(n, fresh_seed());
     src.copyin(std::span<const float>(x));
@@ -1230,6 +1232,12 @@ TEST_CASE("cuda fake: a graph whose copy moves to memory the driver cannot patch
   CHECK(fake_calls("cuGraphExecMemcpyNodeSetParams") == patches);
   CHECK(graphs_alive() == alive_before + 2);
   CHECK(execs_alive() == execs_before + 2);
+  // Pinned memory not seen before: patched into the least recently launched instance, the pinned
+  // one, through the handles of the graph it came from (not the newest, built for device memory,
+  // whose handles the driver would not know in it: a refusal and another build).
+  replay_from(other_pinned_src);
+  CHECK(fake_calls("cuGraphInstantiateWithFlags") == built + 4);
+  CHECK(fake_calls("cuGraphExecMemcpyNodeSetParams") == patches + 1);
   graph.reset();
   CHECK(graphs_alive() == alive_before);
   CHECK(execs_alive() == execs_before);
@@ -1237,7 +1245,7 @@ TEST_CASE("cuda fake: a graph whose copy moves to memory the driver cannot patch
   // An instantiation the driver refuses is an Error that leaves the graph working: at the first
   // build (no instance yet: the next replay, of inputs not seen before, builds again), and where
   // inputs seen again would get an instance of their own and then replace the one that refused a
-  // patch (that one stays, describing no inputs, and is patched or replaced later).
+  // patch (that one stays, describing no inputs, until a replay patches it).
   graph = make_graph();
   const auto refused_instantiation = [&](Buffer& src) {
     const FakeEnv fail("FAKE_CUDA_FAIL", "cuGraphInstantiateWithFlags=2");
