@@ -74,8 +74,6 @@ namespace tinydev::cuda {
   X(cuStreamDestroy)                     \
   X(cuStreamSynchronize)                 \
   X(cuStreamQuery)                       \
-  X(cuStreamWriteValue64)                \
-  X(cuStreamWaitValue64)                 \
   X(cuStreamBatchMemOp)                  \
   X(cuLaunchHostFunc)                    \
   X(cuGraphCreate)                       \

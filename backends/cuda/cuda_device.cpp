@@ -816,7 +816,7 @@ namespace {
 // The driver maps a context's CUDA streams onto CUDA_DEVICE_MAX_CONNECTIONS hardware queues (8 by
 // default, at most 32), round robin; streams on one queue run in the order their work was
 // submitted. A device has two streams and each lane two more, all in the GPU's primary context, so
-// from the third lane on, two of tinydev's streams share a queue by default. Waits for Events of
+// from the fourth lane on (10 streams), two of tinydev's streams share a queue by default. Waits for Events of
 // other streams cannot deadlock that way (an Event's work was submitted before any wait for it),
 // but a stream waiting for an Event the host completes later (a raw Signal) holds up the work of
 // the streams behind it on its queue until then, and a host waiting for that work before it

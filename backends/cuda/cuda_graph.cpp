@@ -4,8 +4,9 @@
 // The first replay builds a CUDA graph from the nodes with the replay's inputs: a kernel node per
 // kernel (its arguments packed as a direct launch packs them) and a 1-D memcpy node per copy, each
 // depending on the earlier nodes its memory conflicts with (Note [CUDA graph dependencies]), so
-// the graph computes what eager execution in order would; then instantiates it. Each later replay packs every node's arguments again and patches, in the
-// instantiated graph, only the nodes whose arguments or addresses changed
+// the graph computes what eager execution in order would; then instantiates it. A later replay
+// with inputs no instance holds (Note [CUDA graph instances]) packs every node's arguments again
+// and patches, in the instance, only the nodes whose arguments or addresses changed
 // (cuGraphExecKernelNodeSetParams, cuGraphExecMemcpyNodeSetParams; a patch affects later launches
 // only, so one still running is safe), then launches it with one cuGraphLaunch on the compute
 // stream, ordered on the device's timeline like a direct call (CudaHCQDevice::run_ordered). A
@@ -469,7 +470,7 @@ class CudaGraph final : public Graph {
     c.dstMemoryType = CU_MEMORYTYPE_UNIFIED;
     c.dstDevice = static_cast<CUdeviceptr>(dest);
     // A 1-D copy as tinygrad's graph writes it: pitch and height given for both ends too (the
-    // driver checks them against the width where they are set), the pitch only below the largest
+    // driver checks them against the width where they are set), the pitch only up to the largest
     // one a device takes (CU_DEVICE_ATTRIBUTE_MAX_PITCH, 2^31 - 1), 0 (not given) beyond.
     const std::size_t pitch = size < (std::size_t{1} << 31) ? size : 0;
     c.srcPitch = pitch;

@@ -71,8 +71,10 @@ class CudaHCQDevice;
 // (cuFuncGetParamInfo, drivers of CUDA 12.4 and later): a parameter list of that layout becomes
 // the program's signature (grid_index false: a GPU kernel reads its index from the hardware), and
 // direct calls, queued execs and graph nodes with other counts are InvalidArgument before
-// anything reaches the driver; a list of another layout (a value before a pointer, a 1-, 2- or
-// 8-byte value, a struct) cannot be passed at all and load() refuses it. An older driver tells
+// anything reaches the driver; a list of another layout (an 8-byte parameter after a 4-byte one,
+// a 1- or 2-byte value, a struct of another size) cannot be passed at all and load() refuses it.
+// The driver gives sizes, not types: a leading 8-byte value (a double) is taken for a buffer and
+// a 4-byte struct for a value, which the caller must then pass as such. An older driver tells
 // nothing: signature() is nullopt and the caller is trusted, as on the CPU with a bare object.
 //
 // Note [CUDA program retirement]
