@@ -27,6 +27,20 @@ TEST_CASE("backends: every backend of this build is registered in order and the 
   const std::string def = Device.default_device();
   CHECK((def == "LLVM" || def == "CLANG" || def == "CUDA"));
   CHECK(std::find(types.begin(), types.end(), def) != types.end());
+  // It is the first of CUDA, LLVM and CLANG in this build that opens: a build with CUDA on a
+  // machine without a GPU moves on to LLVM.
+  std::string first_that_opens;
+  for (const char* candidate : {"CUDA", "LLVM", "CLANG"}) {
+    if (std::find(types.begin(), types.end(), candidate) == types.end()) continue;
+    try {
+      Device[candidate];
+      first_that_opens = candidate;
+      break;
+    } catch (const DeviceUnavailable& e) {
+      UNSCOPED_INFO(candidate << " does not open: " << e.what());
+    }
+  }
+  CHECK(def == first_that_opens);
 }
 
 TEST_CASE("backends: one instance per canonical name even from 16 threads", "[backends]") {

@@ -11,9 +11,11 @@
 #include <atomic>
 #include <bit>
 #include <cerrno>
+#include <chrono>
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <iterator>
@@ -335,6 +337,78 @@ TEST_CASE("cuda compiler: compile_cached hits the disk cache from another proces
   CHECK(WEXITSTATUS(status) == 0);
 }
 
+// Run by the patched-toolkit test below with TINYDEV_CUDA_NVRTC set to a copy of NVRTC in a
+// toolkit folder of the test's own (TEST_PATCHED_TOOLKIT: lib64/ and include/), whose files it
+// changes as patching a toolkit in place would (Note [NVRTC includes]).
+TEST_CASE("cuda compiler: patched toolkit probe", "[.][probe][cuda-patched-toolkit-probe]") {
+  const char* folder = std::getenv("TEST_PATCHED_TOOLKIT");
+  REQUIRE(folder != nullptr);
+  const std::filesystem::path toolkit = std::filesystem::canonical(folder);
+  const std::string src = kernels::add_f32(SourceLanguage::CUDA, "patched_" + std::to_string(fresh_seed() % 1000000));
+  cuda::CudaCompiler original("sm_90", false);
+  REQUIRE(std::filesystem::canonical(original.nvrtc_library()).string().find(toolkit.string()) == 0);
+  // The toolkit's own headers come first.
+  REQUIRE(original.options().at(2) == "-I" + (toolkit / "include").string());
+  const auto writes = [] { return DiskCache::global().stats().writes; };
+  const std::uint64_t before = writes();
+  const Blob cold = original.compile_cached(src);
+  CHECK(writes() == before + 1);
+  CHECK(cuda::CudaCompiler("sm_90", false).compile_cached(src) == cold);  // unchanged: a hit
+  CHECK(writes() == before + 1);
+  // Each change a patch in place makes gives new keys, so the kernel compiles afresh.
+  std::string previous = original.identity();
+  const auto later = [](const std::filesystem::path& file) {
+    std::filesystem::last_write_time(file, std::filesystem::last_write_time(file) + std::chrono::seconds(7));
+  };
+  const std::vector<std::pair<std::string, std::function<void()>>> patches{
+      {"a newer cuda_fp16.hpp", [&] { later(toolkit / "include" / "cuda_fp16.hpp"); }},
+      {"a longer cuda_bf16.h", [&] { std::ofstream(toolkit / "include" / "cuda_bf16.h", std::ios::app) << "\n"; }},
+      {"cuda_bf16.hpp removed", [&] { std::filesystem::remove(toolkit / "include" / "cuda_bf16.hpp"); }},
+      {"a newer NVRTC library", [&] { later(original.nvrtc_library()); }}};
+  for (const auto& [what, patch] : patches) {
+    INFO(what);
+    patch();
+    cuda::CudaCompiler patched("sm_90", false);
+    CHECK(patched.identity() != previous);  // in every entry's key, beside the family (cache_key)
+    const std::uint64_t at = writes();
+    CHECK(patched.compile_cached(src) == cold);  // the same NVRTC: the same code, compiled again
+    CHECK(writes() == at + 1);
+    previous = patched.identity();
+  }
+}
+
+TEST_CASE("cuda compiler: a toolkit patched in place - NVRTC or its half-precision headers changed - compiles afresh", "[cuda]") {
+  cuda::CudaCompiler c("sm_90", false);
+  // The NVRTC this process loaded, as a file, and its toolkit's headers.
+  std::string library;
+  std::ifstream maps("/proc/self/maps");
+  for (std::string line; std::getline(maps, line);)
+    if (const std::size_t at = line.find('/'); at != std::string::npos && line.find("/libnvrtc.so.") != std::string::npos)
+      library = line.substr(at);
+  REQUIRE_FALSE(library.empty());
+  const std::filesystem::path headers = c.options().size() > 2 ? c.options().at(2).substr(2) : "";
+  for (const char* header : {"cuda_fp16.h", "cuda_fp16.hpp", "cuda_bf16.h", "cuda_bf16.hpp"})
+    if (!std::filesystem::is_regular_file(headers / header)) {
+      skip(fmt::format("NVRTC's toolkit here has no {} to copy ({})", header, headers.string()));
+      return;
+    }
+  TempDir toolkit, cache;
+  std::filesystem::create_directories(toolkit.path / "lib64");
+  std::filesystem::create_directories(toolkit.path / "include");
+  const std::filesystem::path copy = toolkit.path / "lib64" / std::filesystem::path(library).filename();
+  std::filesystem::copy_file(library, copy);
+  // NVRTC finds its builtins library beside itself.
+  for (const auto& entry : std::filesystem::directory_iterator(std::filesystem::path(library).parent_path()))
+    if (entry.path().filename().string().starts_with("libnvrtc-builtins.so"))
+      std::filesystem::copy(entry.path(), toolkit.path / "lib64" / entry.path().filename(),
+                            std::filesystem::copy_options::copy_symlinks);
+  for (const char* header : {"cuda_fp16.h", "cuda_fp16.hpp", "cuda_bf16.h", "cuda_bf16.hpp"})
+    std::filesystem::copy_file(headers / header, toolkit.path / "include" / header);
+  CHECK(run_probe("[cuda-patched-toolkit-probe]", {{"TINYDEV_CUDA_NVRTC", copy.string()},
+                                                    {"TEST_PATCHED_TOOLKIT", toolkit.str()},
+                                                    {"TINYDEV_CACHE_DIR", cache.str()}}) == 0);
+}
+
 TEST_CASE("cuda compiler: kernels in the style of tinygrad's CUDA renderer compile (half and bf16 and shared memory)", "[cuda]") {
   cuda::CudaCompiler c("sm_90", false);
   const Blob blob = c.compile(kRendererStyle);
@@ -405,6 +479,42 @@ TEST_CASE("cuda gpu: add on random data matches the CPU reference with grids and
   std::vector<float> small_out(m);
   be.copyout(std::span<float>(small_out));
   for (std::size_t i = 0; i < m; ++i) REQUIRE(small_out[i] == c[i] + d[i]);
+}
+
+// Run by the PTX test below with TINYDEV_CUDA_PTX=1: the device's compiler emits PTX for the
+// GPU's virtual architecture, which the driver JIT-compiles when the kernel is loaded.
+TEST_CASE("cuda gpu: PTX device probe", "[.][probe][cuda-ptx-probe]") {
+  Compiled* dev = gpu();
+  REQUIRE(dev != nullptr);
+  auto& compiler = dynamic_cast<cuda::CudaCompiler&>(dev->compiler());
+  REQUIRE(compiler.ptx());
+  CHECK(compiler.options().front() == "--gpu-architecture=compute_" + compiler.arch().substr(3));
+  const std::string src = kernels::add_f32(SourceLanguage::CUDA);
+  const std::string text = as_text(dev->compiler().compile_cached(src));
+  CHECK_THAT(text, Catch::Contains(".version") && Catch::Contains(".entry add"));
+  const std::uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  const std::size_t n = 100003;
+  auto a = random_floats(n, seed), b = random_floats(n, seed + 1);
+  Buffer ba(dev->name(), n, dtypes::float32), bb(dev->name(), n, dtypes::float32), bo(dev->name(), n, dtypes::float32);
+  ba.allocate().copyin(std::span<const float>(a));
+  bb.allocate().copyin(std::span<const float>(b));
+  bo.allocate();
+  auto add = dev->load_kernel("add", src);
+  const Allocation bufs[] = {bo.allocation(), ba.allocation(), bb.allocation()};
+  const std::int32_t vals[] = {static_cast<std::int32_t>(n)};
+  (*add)(bufs, vals, LaunchParams{.global = {static_cast<std::uint32_t>((n + 255) / 256), 1, 1}, .local = {256, 1, 1}});
+  dev->synchronize();
+  std::vector<float> out(n);
+  bo.copyout(std::span<float>(out));
+  std::size_t wrong = 0;
+  for (std::size_t i = 0; i < n; ++i) wrong += out[i] != a[i] + b[i];
+  CHECK(wrong == 0);
+}
+
+TEST_CASE("cuda gpu: with TINYDEV_CUDA_PTX=1 the device compiles to PTX that the driver JIT-compiles at load and it computes the sums", "[cuda][gpu]") {
+  if (!gpu()) return;
+  CHECK(run_probe("[cuda-ptx-probe]", {{"TINYDEV_CUDA_PTX", "1"}}) == 0);
 }
 
 TEST_CASE("cuda gpu: bad blobs and missing kernels and zero grids are clear errors and the device keeps working", "[cuda][gpu]") {
