@@ -387,7 +387,9 @@ TEST_CASE("cuda compiler: a toolkit patched in place - NVRTC or its half-precisi
       library = line.substr(at);
   REQUIRE_FALSE(library.empty());
   const std::filesystem::path headers = c.options().size() > 2 ? c.options().at(2).substr(2) : "";
-  for (const char* header : {"cuda_fp16.h", "cuda_fp16.hpp", "cuda_bf16.h", "cuda_bf16.hpp"})
+  // The headers whose fingerprints the cache key holds (Note [NVRTC includes]).
+  static constexpr const char* kHalfPrecisionHeaders[] = {"cuda_fp16.h", "cuda_fp16.hpp", "cuda_bf16.h", "cuda_bf16.hpp"};
+  for (const char* header : kHalfPrecisionHeaders)
     if (!std::filesystem::is_regular_file(headers / header)) {
       skip(fmt::format("NVRTC's toolkit here has no {} to copy ({})", header, headers.string()));
       return;
@@ -402,7 +404,7 @@ TEST_CASE("cuda compiler: a toolkit patched in place - NVRTC or its half-precisi
     if (entry.path().filename().string().starts_with("libnvrtc-builtins.so"))
       std::filesystem::copy(entry.path(), toolkit.path / "lib64" / entry.path().filename(),
                             std::filesystem::copy_options::copy_symlinks);
-  for (const char* header : {"cuda_fp16.h", "cuda_fp16.hpp", "cuda_bf16.h", "cuda_bf16.hpp"})
+  for (const char* header : kHalfPrecisionHeaders)
     std::filesystem::copy_file(headers / header, toolkit.path / "include" / header);
   CHECK(run_probe("[cuda-patched-toolkit-probe]", {{"TINYDEV_CUDA_NVRTC", copy.string()},
                                                     {"TEST_PATCHED_TOOLKIT", toolkit.str()},
@@ -441,30 +443,44 @@ TEST_CASE("cuda: without a usable driver opening is DeviceUnavailable saying whi
   CHECK_THROWS_WITH(Device.default_device(), Catch::Contains("CUDA"));
 }
 
+namespace {
+
+// Runs `add` (kernels::add_f32) on `n` random floats from `seed` over a grid of 256-thread blocks
+// and waits for it: the kernel's time, and how many sums differ from the CPU's.
+struct GridAdd {
+  std::optional<double> seconds;
+  std::size_t wrong = 0;
+};
+GridAdd add_on_grid(Compiled& dev, Program& add, std::size_t n, std::uint64_t seed) {
+  auto a = random_floats(n, seed), b = random_floats(n, seed + 1);
+  Buffer ba(dev.name(), n, dtypes::float32), bb(dev.name(), n, dtypes::float32), bo(dev.name(), n, dtypes::float32);
+  ba.allocate().copyin(std::span<const float>(a));
+  bb.allocate().copyin(std::span<const float>(b));
+  bo.allocate();
+  const Allocation bufs[] = {bo.allocation(), ba.allocation(), bb.allocation()};
+  const std::int32_t vals[] = {static_cast<std::int32_t>(n)};
+  GridAdd run;
+  run.seconds = add(bufs, vals, LaunchParams{.global = {static_cast<std::uint32_t>((n + 255) / 256), 1, 1},
+                                             .local = {256, 1, 1},
+                                             .wait = true});
+  std::vector<float> out(n);
+  bo.copyout(std::span<float>(out));
+  for (std::size_t i = 0; i < n; ++i) run.wrong += out[i] != a[i] + b[i];
+  return run;
+}
+
+}  // namespace
+
 TEST_CASE("cuda gpu: add on random data matches the CPU reference with grids and one thread", "[cuda][gpu]") {
   Compiled* dev = gpu();
   if (!dev) return;
   const std::uint64_t seed = fresh_seed();
   INFO("seed " << seed);
-  const std::size_t n = (1u << 20) + 7;
-  auto a = random_floats(n, seed), b = random_floats(n, seed + 1);
-  Buffer ba(dev->name(), n, dtypes::float32), bb(dev->name(), n, dtypes::float32), bo(dev->name(), n, dtypes::float32);
-  ba.allocate().copyin(std::span<const float>(a));
-  bb.allocate().copyin(std::span<const float>(b));
-  bo.allocate();
   auto add = dev->load_kernel("add", kernels::add_f32(SourceLanguage::CUDA));
-  const Allocation bufs[] = {bo.allocation(), ba.allocation(), bb.allocation()};
-  const std::int32_t vals[] = {static_cast<std::int32_t>(n)};
-  const auto t = (*add)(bufs, vals, LaunchParams{.global = {static_cast<std::uint32_t>((n + 255) / 256), 1, 1},
-                                                 .local = {256, 1, 1},
-                                                 .wait = true});
-  REQUIRE(t.has_value());
-  CHECK(*t > 0.0);
-  std::vector<float> out(n);
-  bo.copyout(std::span<float>(out));
-  std::size_t wrong = 0;
-  for (std::size_t i = 0; i < n; ++i) wrong += out[i] != a[i] + b[i];
-  CHECK(wrong == 0);
+  const GridAdd run = add_on_grid(*dev, *add, (1u << 20) + 7, seed);
+  REQUIRE(run.seconds.has_value());
+  CHECK(*run.seconds > 0.0);
+  CHECK(run.wrong == 0);
   // One thread (the default launch) walks the whole range too.
   const std::size_t m = 4096;
   auto c = random_floats(m, seed + 2), d = random_floats(m, seed + 3);
@@ -494,22 +510,8 @@ TEST_CASE("cuda gpu: PTX device probe", "[.][probe][cuda-ptx-probe]") {
   CHECK_THAT(text, Catch::Contains(".version") && Catch::Contains(".entry add"));
   const std::uint64_t seed = fresh_seed();
   INFO("seed " << seed);
-  const std::size_t n = 100003;
-  auto a = random_floats(n, seed), b = random_floats(n, seed + 1);
-  Buffer ba(dev->name(), n, dtypes::float32), bb(dev->name(), n, dtypes::float32), bo(dev->name(), n, dtypes::float32);
-  ba.allocate().copyin(std::span<const float>(a));
-  bb.allocate().copyin(std::span<const float>(b));
-  bo.allocate();
   auto add = dev->load_kernel("add", src);
-  const Allocation bufs[] = {bo.allocation(), ba.allocation(), bb.allocation()};
-  const std::int32_t vals[] = {static_cast<std::int32_t>(n)};
-  (*add)(bufs, vals, LaunchParams{.global = {static_cast<std::uint32_t>((n + 255) / 256), 1, 1}, .local = {256, 1, 1}});
-  dev->synchronize();
-  std::vector<float> out(n);
-  bo.copyout(std::span<float>(out));
-  std::size_t wrong = 0;
-  for (std::size_t i = 0; i < n; ++i) wrong += out[i] != a[i] + b[i];
-  CHECK(wrong == 0);
+  CHECK(add_on_grid(*dev, *add, 100003, seed).wrong == 0);
 }
 
 TEST_CASE("cuda gpu: with TINYDEV_CUDA_PTX=1 the device compiles to PTX that the driver JIT-compiles at load and it computes the sums", "[cuda][gpu]") {
