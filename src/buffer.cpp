@@ -2,6 +2,10 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <atomic>
+#include <mutex>
+
 #include "tinydev/counters.hpp"
 #include "tinydev/device.hpp"
 #include "tinydev/error.hpp"
@@ -20,6 +24,15 @@ std::size_t checked_bytes(std::size_t count, DType dtype, std::string_view what)
 }
 }  // namespace
 
+// Note [Buffer allocation]
+// A base and its views share one State chain: two threads may allocate two views of one
+// unallocated base, or copy() from one unallocated view of an allocated base, at once (distinct
+// Buffers, which buffer.hpp allows). So allocation runs under the base's mutex, and the
+// allocation is written once, before `allocated` is set with release: a reader that sees the flag
+// sees the allocation and the allocator, and nothing changes either afterwards. Reads take no lock.
+// Every base's memory is marked owned (Allocator::adopt) while the buffer holds it, whether the
+// buffer allocated it or adopted it: a second Buffer adopting it, or a plain free of it, would free
+// memory this buffer still uses, and is refused.
 struct Buffer::State {
   std::string device;
   std::size_t size = 0;
@@ -27,43 +40,62 @@ struct Buffer::State {
   BufferOptions options;
   std::size_t offset = 0;
   std::shared_ptr<State> base;  // null for a base buffer
-  std::optional<Allocation> buf;
-  std::shared_ptr<Allocator> allocator;  // keeps the allocator alive while we hold memory
+  Allocation buf{};               // valid once `allocated`; written once
+  std::shared_ptr<Allocator> allocator;  // keeps the allocator alive while we hold memory; set with buf
+  std::atomic<bool> allocated{false};
+  std::mutex allocate_mutex;  // a base's serializes the allocation of it and of its views
   std::int64_t lb_refcount = 0;
   // What the allocator handed the memory out as (an adopted allocation may be larger than nbytes):
   // the size and options it is freed with.
   std::size_t alloc_bytes = 0;
   BufferOptions alloc_options;
-  bool adopted = false;  // given back with release_adopted
 
   std::size_t nbytes() const noexcept { return size * dtype.itemsize; }  // checked at construction
   bool counts_memory() const noexcept { return !device.starts_with("DISK"); }
+  // The allocation, or nullptr while unallocated (Note [Buffer allocation]).
+  const Allocation* allocation_if_any() const noexcept {
+    return allocated.load(std::memory_order_acquire) ? &buf : nullptr;
+  }
 
   ~State() {
-    if (!buf || base) return;
+    if (!allocated.load(std::memory_order_acquire) || base) return;
     if (counts_memory()) GlobalCounters::mem_used -= static_cast<std::int64_t>(nbytes());
     try {
-      if (adopted) allocator->release_adopted(*buf, alloc_bytes, alloc_options);
-      else allocator->free(*buf, alloc_bytes, alloc_options);
+      allocator->release_adopted(buf, alloc_bytes, alloc_options);
     } catch (const std::exception& e) {
-      debug_log(1, device, "freeing a {}-byte buffer on {} failed: {}", nbytes(), device, e.what());
+      try {
+        debug_log(1, device, "freeing a {}-byte buffer on {} failed: {}", nbytes(), device, e.what());
+      } catch (...) {  // the log's own settings may be invalid: a destructor must not throw
+      }
     }
   }
 
-  void allocate(std::optional<Allocation> opaque) {
-    if (buf)
+  // Allocates (adopting `opaque` if given). When already allocated: nothing if `ensure`, else
+  // InvalidArgument (the seed's assert).
+  void allocate(std::optional<Allocation> opaque, bool ensure) {
+    if (ensure && allocated.load(std::memory_order_acquire)) return;
+    std::lock_guard lock((base ? *base : *this).allocate_mutex);
+    allocate_locked(opaque, ensure);
+  }
+
+ private:
+  // Under the base's allocate_mutex.
+  void allocate_locked(std::optional<Allocation> opaque, bool ensure) {
+    if (allocated.load(std::memory_order_relaxed)) {
+      if (ensure) return;
       throw InvalidArgument(fmt::format(
           "can't allocate already allocated buffer ({} bytes on {}): use ensure_allocated()",
           nbytes(), device));
+    }
     std::shared_ptr<Allocator> alloc = Device[device].shared_allocator();
     if (base) {
-      if (!base->buf) base->allocate(std::nullopt);
+      base->allocate_locked(std::nullopt, /*ensure=*/true);
       if (!alloc->supports_offset())
         throw InvalidArgument(fmt::format(
             "{} cannot make views (no offset function), so this {}-byte view at offset {} "
             "cannot be allocated",
             device, nbytes(), offset));
-      buf = alloc->offset(*base->buf, nbytes(), offset);
+      buf = alloc->offset(base->buf, nbytes(), offset);
     } else {
       if (opaque) {
         if (opaque->size != 0 && opaque->size < nbytes())
@@ -72,8 +104,7 @@ struct Buffer::State {
               "least as large",
               opaque->size, nbytes(), device));
         // The buffer frees what it adopts, so it must be a live allocation of this device's
-        // allocator, and it becomes the buffer's: the allocator then refuses a plain free of it and
-        // a second adoption (either would free memory someone else may hold by then).
+        // allocator that nobody owns yet (Note [Buffer allocation]).
         std::optional<Allocator::LiveInfo> info = alloc->live_info(*opaque);
         if (info && info->size < nbytes())
           throw InvalidArgument(fmt::format(
@@ -85,21 +116,29 @@ struct Buffer::State {
         } catch (const InvalidArgument& e) {
           throw InvalidArgument(fmt::format("cannot adopt on {}: {}", device, e.what()));
         }
-        buf = *opaque;
-        adopted = true;
+        // The size the allocator knows, not the caller's (0, or any number at least nbytes).
+        buf = Allocation{opaque->va_addr, info->size, opaque->backend};
         alloc_bytes = info->size;
         alloc_options = info->options;
       } else {
         if (nbytes() == 0)
           throw InvalidArgument(fmt::format(
               "can't allocate a 0-byte buffer on {}: allocate at least one element", device));
-        buf = alloc->alloc(nbytes(), options);
+        const Allocation fresh = alloc->alloc(nbytes(), options);
+        try {
+          alloc->adopt(fresh);  // owned by this buffer (Note [Buffer allocation])
+        } catch (...) {
+          alloc->free(fresh, nbytes(), options);
+          throw;
+        }
+        buf = fresh;
         alloc_bytes = nbytes();
         alloc_options = options;
       }
       if (counts_memory()) GlobalCounters::mem_used += static_cast<std::int64_t>(nbytes());
     }
     allocator = std::move(alloc);
+    allocated.store(true, std::memory_order_release);
   }
 };
 
@@ -114,16 +153,17 @@ Buffer::Buffer(std::string_view device, std::size_t size, DType dtype, Params pa
   s.size = size;
   s.dtype = dtype;
   s.options = params.options;
-  if (params.adopt) s.allocate(params.adopt);
+  // Checked before adopting: a bad initial value must leave the caller's allocation theirs.
+  if (!params.initial_value.empty() && params.initial_value.size() != s.nbytes())
+    throw InvalidArgument(fmt::format(
+        "initial value has {} bytes but the buffer ({} x {}) has {}: pass exactly nbytes()",
+        params.initial_value.size(), size, dtype.name, s.nbytes()));
+  if (params.adopt) s.allocate(params.adopt, /*ensure=*/false);
   if (!params.initial_value.empty()) {
-    if (params.initial_value.size() != s.nbytes())
-      throw InvalidArgument(fmt::format(
-          "initial value has {} bytes but the buffer ({} x {}) has {}: pass exactly nbytes()",
-          params.initial_value.size(), size, dtype.name, s.nbytes()));
-    if (!s.buf) s.allocate(std::nullopt);
-    s.allocator->copyin(*s.buf, params.initial_value);
+    s.allocate(std::nullopt, /*ensure=*/true);
+    s.allocator->copyin(s.buf, params.initial_value);
   }
-  if (params.preallocate && !s.buf) s.allocate(std::nullopt);
+  if (params.preallocate) s.allocate(std::nullopt, /*ensure=*/true);
 }
 
 const std::string& Buffer::device() const noexcept { return state_->device; }
@@ -135,23 +175,24 @@ const BufferOptions& Buffer::options() const noexcept {
 std::size_t Buffer::offset() const noexcept { return state_->offset; }
 bool Buffer::is_view() const noexcept { return state_->base != nullptr; }
 Buffer Buffer::base() const { return state_->base ? Buffer(state_->base) : *this; }
-bool Buffer::is_allocated() const noexcept { return state_->buf.has_value(); }
+bool Buffer::is_allocated() const noexcept { return state_->allocation_if_any() != nullptr; }
 
 Buffer& Buffer::allocate() {
-  state_->allocate(std::nullopt);
+  state_->allocate(std::nullopt, /*ensure=*/false);
   return *this;
 }
 
 Buffer& Buffer::ensure_allocated() {
-  if (!state_->buf) state_->allocate(std::nullopt);
+  state_->allocate(std::nullopt, /*ensure=*/true);
   return *this;
 }
 
 const Allocation& Buffer::allocation() const {
-  if (!state_->buf)
+  const Allocation* a = state_->allocation_if_any();
+  if (!a)
     throw InvalidArgument(fmt::format("buffer of {} bytes on {} is not allocated: call allocate()",
                                       nbytes(), device()));
-  return *state_->buf;
+  return *a;
 }
 
 Buffer& Buffer::copyin(std::span<const std::byte> src) {
@@ -159,11 +200,12 @@ Buffer& Buffer::copyin(std::span<const std::byte> src) {
     throw InvalidArgument(fmt::format("size mismatch: copyin of {} bytes into a buffer of {} x {} "
                                       "({} bytes): pass exactly nbytes() bytes",
                                       src.size(), size(), dtype().name, nbytes()));
-  if (!state_->buf)
+  const Allocation* a = state_->allocation_if_any();
+  if (!a)
     throw InvalidArgument(fmt::format(
         "can't copyin to unallocated buffer ({} bytes on {}): call allocate() first", nbytes(),
         device()));
-  state_->allocator->copyin(*state_->buf, src);
+  state_->allocator->copyin(*a, src);
   return *this;
 }
 
@@ -172,22 +214,29 @@ std::span<std::byte> Buffer::copyout(std::span<std::byte> dest) const {
     throw InvalidArgument(fmt::format("size mismatch: copyout of a buffer of {} x {} ({} bytes) "
                                       "into {} bytes: pass exactly nbytes() bytes",
                                       size(), dtype().name, nbytes(), dest.size()));
-  if (!state_->buf)
+  const Allocation* a = state_->allocation_if_any();
+  if (!a)
     throw InvalidArgument(fmt::format(
         "can't copyout unallocated buffer ({} bytes on {}): allocate and fill it first", nbytes(),
         device()));
-  state_->allocator->copyout(dest, *state_->buf);
+  state_->allocator->copyout(dest, *a);
   return dest;
 }
 
 HostBytes Buffer::as_buffer(bool allow_zero_copy, bool force_zero_copy) const {
-  if ((allow_zero_copy || force_zero_copy) && state_->buf) {
-    if (auto window = state_->allocator->as_buffer(*state_->buf)) return HostBytes(*window);
+  const Allocation* a = state_->allocation_if_any();
+  if (force_zero_copy && !a)
+    throw InvalidArgument(fmt::format(
+        "force zero copy was passed for a buffer of {} bytes on {} that is not allocated: allocate and "
+        "fill it first",
+        nbytes(), device()));
+  if ((allow_zero_copy || force_zero_copy) && a) {
+    // An adopted allocation may be larger than the buffer: the window is the buffer's bytes only.
+    if (auto window = state_->allocator->as_buffer(*a)) return HostBytes(window->first(std::min(window->size(), nbytes())));
   }
   if (force_zero_copy)
     throw InvalidArgument(fmt::format(
-        "force zero copy was passed, but copy is required: {} memory is not host-visible{}",
-        device(), state_->buf ? "" : " (and the buffer is not allocated)"));
+        "force zero copy was passed, but copy is required: {} memory is not host-visible", device()));
   std::vector<std::byte> out(nbytes());
   copyout(out);
   return HostBytes(std::move(out));
@@ -248,7 +297,7 @@ CopyPath copy(const Buffer& dest, const Buffer& src) {
                                       dest.size(), dest.dtype().name, dest.device(), src.size(), src.dtype().name,
                                       src.device()));
   Buffer source = src;
-  if (!source.is_allocated() && source.is_view() && source.base().is_allocated()) source.allocate();
+  if (!source.is_allocated() && source.is_view() && source.base().is_allocated()) source.ensure_allocated();
   if (!source.is_allocated())
     throw InvalidArgument(fmt::format("copy from an unallocated buffer of {} bytes on {}: allocate and fill it first",
                                       src.nbytes(), src.device()));

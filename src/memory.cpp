@@ -257,13 +257,17 @@ void LRUAllocator::release(std::vector<Entry>& entries) {
   entries.clear();
 }
 
-std::uint64_t LRUAllocator::max_bytes() const noexcept {
+std::uint64_t LRUAllocator::max_bytes() const {
   const std::optional<std::uint64_t>& set = settings().lru_max_bytes;
   return set ? *set : default_max_bytes_;
 }
 
 Allocation LRUAllocator::alloc(std::size_t size, const BufferOptions& options) {
   if (size == 0) return Allocator::alloc(size, options);  // throws the seed's error
+  // The free reads the settings (TINYDEV_LRU, the byte bound): an invalid environment is an
+  // error here, before memory is handed out, not in the free, where the memory could not go back
+  // (a Buffer's destructor would have to swallow it). One atomic load once they were read.
+  (void)settings();
   {
     std::lock_guard lock(mutex_);
     auto it = buckets_.find(Key{size, options.bits()});
@@ -512,12 +516,14 @@ void MallocAllocator::free_impl(Allocation allocation, std::size_t, const Buffer
 
 void MallocAllocator::copyin(Allocation dest, std::span<const std::byte> src) {
   detail::check_fits(src.size(), dest, "copyin", describe());
-  std::memcpy(dest.host_ptr(), src.data(), src.size());
+  // memmove: copy() between overlapping views of one buffer passes a zero-copy window of the
+  // source (the seed's ctypes.memmove).
+  std::memmove(dest.host_ptr(), src.data(), src.size());
 }
 
 void MallocAllocator::copyout(std::span<std::byte> dest, Allocation src) {
   detail::check_fits(dest.size(), src, "copyout", describe());
-  std::memcpy(dest.data(), src.host_ptr(), dest.size());
+  std::memmove(dest.data(), src.host_ptr(), dest.size());
 }
 
 Allocation MallocAllocator::offset(Allocation base, std::size_t size, std::size_t offset) {

@@ -2,9 +2,11 @@
 #pragma once
 
 #include <catch2/catch.hpp>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <cerrno>
 #include <cstdlib>
 #include <cstring>
 #include <cstdio>
@@ -100,6 +102,39 @@ struct TempDir {
   }
   std::string str() const { return path.string(); }
 };
+
+// Runs this binary's hidden test case tagged `tag` in a fresh process (what is loaded once per
+// process starts again there) with `env` set. Its exit status, or minus the signal that killed it.
+inline int run_probe(const char* tag, std::initializer_list<std::pair<const char*, std::string>> env) {
+  // The child's environment is made here: between fork and exec only async-signal-safe calls
+  // (setenv takes a lock another thread may have held at the fork).
+  std::vector<std::string> entries;
+  for (char** e = environ; *e; ++e) {
+    const std::string_view entry(*e);
+    bool replaced = false;
+    for (const auto& [name, value] : env) replaced |= entry.substr(0, entry.find('=')) == name;
+    if (!replaced) entries.emplace_back(entry);
+  }
+  for (const auto& [name, value] : env) entries.push_back(std::string(name) + "=" + value);
+  std::vector<char*> envp;
+  for (std::string& entry : entries) envp.push_back(entry.data());
+  envp.push_back(nullptr);
+  char self[] = "/proc/self/exe", warn[] = "--warn", no_tests[] = "NoTests";
+  std::string filter = tag;
+  char* argv[] = {self, warn, no_tests, filter.data(), nullptr};
+  const pid_t child = ::fork();
+  if (child < 0) return 126;
+  if (child == 0) {
+    ::execve(self, argv, envp.data());
+    ::_exit(127);
+  }
+  int status = 0;
+  pid_t waited;
+  do waited = ::waitpid(child, &status, 0);
+  while (waited < 0 && errno == EINTR);
+  if (waited != child) return 126;
+  return WIFSIGNALED(status) ? -WTERMSIG(status) : WEXITSTATUS(status);
+}
 
 // Host memory behind an LRU cache, counting backend calls, with a byte limit to provoke
 // out-of-memory on demand. `host_visible=false` makes it behave like device memory (no

@@ -5,9 +5,14 @@
 // alive; a view of a view is rooted at the base. The memory goes back to the device's allocator
 // when the last handle to the base goes.
 //
-// Thread safety: distinct Buffers may be used from different threads. One Buffer (and its
-// copies) must not be allocated from two threads at once; copyin/copyout/as_buffer of an
-// allocated Buffer may run concurrently (they are plain copies of device memory).
+// Thread safety: distinct Buffers may be used from different threads. Allocation is serialized
+// per base: ensure_allocated() of one Buffer, or of views of one base, from several threads at
+// once allocates once (allocate() then throws for all but one, as it would one after another).
+// copyin/copyout/as_buffer of an allocated Buffer may run concurrently (they are plain copies of
+// device memory).
+//
+// Ownership: a base Buffer owns its memory, allocated or adopted; while it holds it, the
+// allocator refuses a plain free of that allocation and a second adoption of it.
 #pragma once
 
 #include <cstddef>
@@ -57,7 +62,9 @@ class Buffer {
  public:
   struct Params {
     BufferOptions options{};
-    // Memory to adopt instead of allocating (freed through the device's allocator at the end).
+    // Memory to adopt instead of allocating (freed through the device's allocator at the end): a
+    // live allocation of the device's allocator that no Buffer owns, at least nbytes() long. Its
+    // size is the one the allocator handed it out with (allocation().size), whatever `size` says.
     std::optional<Allocation> adopt{};
     // Bytes to copy in right away (allocates); must be exactly nbytes().
     std::span<const std::byte> initial_value{};

@@ -187,7 +187,7 @@ class Allocator {
   };
   std::optional<LiveInfo> live_info(const Allocation& allocation) const;
 
-  // Ownership transfer to a Buffer (Buffer::Params::adopt). `adopt` marks a live allocation as
+  // Ownership by a Buffer (its own allocations, and Buffer::Params::adopt). `adopt` marks a live allocation as
   // owned by its adopter and returns what it was allocated with; InvalidArgument when it is not
   // live or already adopted. From then on a plain free of it is InvalidArgument (the adopter owns
   // it), and the adopter gives it back with `release_adopted` (a free that expects the mark).
@@ -285,7 +285,8 @@ class LRUAllocator : public Allocator {
   void free_cache();
   AllocatorStats stats() const override;
   // The byte bound in force: TINYDEV_LRU_MAX_BYTES if set, else this allocator's default.
-  std::uint64_t max_bytes() const noexcept;
+  // InvalidArgument naming the variable while the environment holds an invalid setting.
+  std::uint64_t max_bytes() const;
 
  protected:
   // The bound used when TINYDEV_LRU_MAX_BYTES is unset (a device allocator sizes it by its memory).

@@ -103,39 +103,6 @@ extern "C" __global__ void __launch_bounds__(256) r_16_16_16(float* __restrict__
 }
 )";
 
-// Runs this binary's hidden test case tagged `tag` in a fresh process (what is loaded once per
-// process starts again there) with `env` set. Its exit status, or minus the signal that killed it.
-int run_probe(const char* tag, std::initializer_list<std::pair<const char*, std::string>> env) {
-  // The child's environment is made here: between fork and exec only async-signal-safe calls
-  // (setenv takes a lock another thread may have held at the fork).
-  std::vector<std::string> entries;
-  for (char** e = environ; *e; ++e) {
-    const std::string_view entry(*e);
-    bool replaced = false;
-    for (const auto& [name, value] : env) replaced |= entry.substr(0, entry.find('=')) == name;
-    if (!replaced) entries.emplace_back(entry);
-  }
-  for (const auto& [name, value] : env) entries.push_back(std::string(name) + "=" + value);
-  std::vector<char*> envp;
-  for (std::string& entry : entries) envp.push_back(entry.data());
-  envp.push_back(nullptr);
-  char self[] = "/proc/self/exe", warn[] = "--warn", no_tests[] = "NoTests";
-  std::string filter = tag;
-  char* argv[] = {self, warn, no_tests, filter.data(), nullptr};
-  const pid_t child = ::fork();
-  if (child < 0) return 126;
-  if (child == 0) {
-    ::execve(self, argv, envp.data());
-    ::_exit(127);
-  }
-  int status = 0;
-  pid_t waited;
-  do waited = ::waitpid(child, &status, 0);
-  while (waited < 0 && errno == EINTR);
-  if (waited != child) return 126;
-  return WIFSIGNALED(status) ? -WTERMSIG(status) : WEXITSTATUS(status);
-}
-
 // Whether NVRTC 12 can be opened here (then the backend must choose it for a 12.x driver or a GPU
 // older than compute capability 7.5).
 bool nvrtc_12_opens() {

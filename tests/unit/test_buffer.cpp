@@ -224,3 +224,153 @@ TEST_CASE("device: a device without a runtime says so when asked for a kernel", 
   Compiler none;  // the base compiler (the seed's Compiler()): compiles nothing
   CHECK_THROWS_WITH(none.compile_cached("x"), Catch::Contains("has no compiler"));
 }
+
+// ---- ownership and concurrent allocation (Note [Buffer allocation]) ----------------------------
+
+TEST_CASE("buffer: memory a Buffer allocated is its own: no other Buffer adopts it and no plain free takes it", "[buffer]") {
+  FakeDevice& dev = fake_device();
+  const auto bytes = random_bytes(400, fresh_seed());
+  const auto rejected = dev.fake->stats().rejected_frees;
+  {
+    Buffer owner("fake", 100, dtypes::int32);
+    owner.allocate().copyin(bytes);
+    // Either would hand the memory back to the cache while `owner` still uses it, and the next
+    // buffer of that size would share it.
+    CHECK_THROWS_WITH(Buffer("fake", 100, dtypes::int32, Buffer::Params{.adopt = owner.allocation()}),
+                      Catch::Contains("adopted by another buffer already"));
+    CHECK_THROWS_WITH(dev.allocator().free(owner.allocation(), 400), Catch::Contains("which a Buffer adopted"));
+    Buffer next("fake", 100, dtypes::int32);
+    next.allocate();
+    CHECK(next.allocation().va_addr != owner.allocation().va_addr);
+    std::vector<std::byte> out(400);
+    owner.copyout(out);
+    CHECK(out == bytes);
+  }
+  // The refused free counted; the buffers' own frees went through.
+  CHECK(dev.fake->stats().rejected_frees == rejected + 1);
+}
+
+TEST_CASE("buffer: a wrong initial value leaves the allocation offered for adoption with its owner", "[buffer]") {
+  FakeDevice& dev = fake_device();
+  Allocation mine = dev.allocator().alloc(400);
+  const auto wrong = random_bytes(300, fresh_seed());
+  CHECK_THROWS_WITH(Buffer("fake", 100, dtypes::int32, Buffer::Params{.adopt = mine, .initial_value = wrong}),
+                    Catch::Contains("initial value has 300 bytes"));
+  REQUIRE(dev.allocator().live_info(mine).has_value());  // not freed into the cache by the failed buffer
+  CHECK_NOTHROW(dev.allocator().free(mine, 400));       // and still the caller's, not marked adopted
+}
+
+TEST_CASE("buffer: an adopted allocation larger than the buffer shows the buffer's bytes and its real size", "[buffer]") {
+  FakeDevice& dev = fake_device();
+  fake_device("FAKEDEV");
+  const std::uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  const auto big_bytes = random_bytes(1000, seed);
+  for (const std::uint64_t claimed : {std::uint64_t{1000}, std::uint64_t{0}}) {
+    INFO("adopted with size " << claimed);
+    Allocation big = dev.allocator().alloc(1000);
+    dev.allocator().copyin(big, big_bytes);
+    Buffer src("fake", 100, dtypes::int32, Buffer::Params{.adopt = Allocation{big.va_addr, claimed, big.backend}});
+    CHECK(src.allocation().size == 1000);  // what the allocator handed out, whatever the caller said
+    CHECK(src.as_buffer(true).size() == 400);
+    CHECK(src.as_buffer(false).size() == 400);
+    // Through the host into device-like memory: the buffer's 400 bytes, not the allocation's 1000.
+    Buffer dst("FAKEDEV", 100, dtypes::int32);
+    CHECK(copy(dst, src) == CopyPath::copyin);
+    std::vector<std::byte> out(400);
+    dst.copyout(out);
+    CHECK(std::equal(out.begin(), out.end(), big_bytes.begin()));
+    const auto fresh = random_bytes(400, seed + 1);
+    CHECK_NOTHROW(src.copyin(fresh));
+    src.copyout(out);
+    CHECK(out == fresh);
+  }
+}
+
+TEST_CASE("buffer: views of one base allocated from two threads at once allocate the base once", "[buffer][threads]") {
+  FakeDevice& dev = fake_device();
+  const std::uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  const auto first = random_bytes(256, seed), second = random_bytes(256, seed + 1);
+  for (int round = 0; round < 200; ++round) {
+    const auto live_before = dev.fake->stats().live_allocations;
+    const auto used_before = GlobalCounters::mem_used.load();
+    {
+      Buffer base("fake", 512, dtypes::uint8);
+      Buffer a = base.view(256, dtypes::uint8, 0), b = base.view(256, dtypes::uint8, 256);
+      std::atomic<int> ready{0};
+      auto fill = [&](Buffer& v, const std::vector<std::byte>& bytes) {
+        ready.fetch_add(1);
+        while (ready.load() < 2) std::this_thread::yield();
+        v.ensure_allocated().copyin(bytes);
+      };
+      std::thread t([&] { fill(b, second); });
+      fill(a, first);
+      t.join();
+      REQUIRE(dev.fake->stats().live_allocations == live_before + 1);
+      REQUIRE(GlobalCounters::mem_used.load() == used_before + 512);
+      // Both views landed in the one base.
+      std::vector<std::byte> out(512);
+      base.copyout(out);
+      REQUIRE(std::equal(first.begin(), first.end(), out.begin()));
+      REQUIRE(std::equal(second.begin(), second.end(), out.begin() + 256));
+    }
+    REQUIRE(dev.fake->stats().live_allocations == live_before);
+  }
+}
+
+TEST_CASE("buffer: copies from one unallocated view of an allocated base into two buffers at once", "[buffer][threads]") {
+  fake_device();
+  fake_device("FAKEDEV");
+  const std::uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  const auto bytes = random_bytes(1024, seed);
+  Buffer base("fake", 1024, dtypes::uint8);
+  base.allocate().copyin(bytes);
+  for (int round = 0; round < 200; ++round) {
+    Buffer slice = base.view(512, dtypes::uint8, 256);  // shared by both copies, allocated by them
+    Buffer d1("FAKEDEV", 512, dtypes::uint8), d2("FAKEDEV", 512, dtypes::uint8);
+    std::atomic<int> ready{0};
+    std::atomic<int> failures{0};
+    auto run = [&](const Buffer& dest) {
+      ready.fetch_add(1);
+      while (ready.load() < 2) std::this_thread::yield();
+      try {
+        copy(dest, slice);
+      } catch (const std::exception&) {
+        failures.fetch_add(1);
+      }
+    };
+    std::thread t([&] { run(d2); });
+    run(d1);
+    t.join();
+    REQUIRE(failures.load() == 0);
+    for (const Buffer* d : {&d1, &d2}) {
+      std::vector<std::byte> out(512);
+      d->copyout(out);
+      REQUIRE(std::equal(out.begin(), out.end(), bytes.begin() + 256));
+    }
+  }
+}
+
+TEST_CASE("host memory: copies between overlapping ranges of one allocation move the bytes as memmove does", "[buffer]") {
+  MallocAllocator host;
+  const std::uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  const std::size_t n = std::size_t{4} << 20, shift = 4096 + 64;
+  const auto bytes = random_bytes(n, seed);
+  Allocation a = host.alloc(n);
+  for (const bool forward : {true, false}) {
+    INFO((forward ? "to a later" : "to an earlier") << " range");
+    host.copyin(a, bytes);
+    const std::size_t from = forward ? 0 : shift, to = forward ? shift : 0;
+    // copy() of two overlapping views passes the source's zero-copy window to the copyin.
+    const auto window = *host.as_buffer(host.offset(a, n - shift, from));
+    host.copyin(host.offset(a, n - shift, to), window);
+    std::vector<std::byte> out(n);
+    host.copyout(out, a);
+    CHECK(std::equal(out.begin() + static_cast<std::ptrdiff_t>(to), out.begin() + static_cast<std::ptrdiff_t>(to + n - shift),
+                     bytes.begin() + static_cast<std::ptrdiff_t>(from)));
+  }
+  host.free(a, n);
+}

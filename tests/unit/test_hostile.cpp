@@ -509,3 +509,25 @@ TEST_CASE("cache bound: eviction goes to a low-water mark and the folder is not 
   CHECK(scans >= 5);
   CHECK(after.evictions - before.evictions > 300);
 }
+
+// ---- an invalid environment at startup ---------------------------------------------------------
+
+// Run by the test below in a fresh process whose environment held TINYDEV_LRU=yes from the start.
+TEST_CASE("settings: invalid TINYDEV_LRU probe", "[.][probe][invalid-lru-probe]") {
+  // Opening a device reads the settings: a Buffer never gets memory.
+  register_fakes();
+  Buffer b("fake", 100, dtypes::int32);
+  CHECK_THROWS_WITH(b.allocate(), Catch::Contains("TINYDEV_LRU='yes'"));
+  CHECK_FALSE(b.is_allocated());
+  // An allocator used directly says so at its first allocation, before memory is handed out (its
+  // free reads the settings, and could not give the memory back), and its stats say so instead of
+  // ending the process (a noexcept read of the settings did).
+  MallocAllocator host;
+  CHECK_THROWS_WITH(host.alloc(100), Catch::Contains("TINYDEV_LRU='yes'") && Catch::Contains("set it to 0 or 1"));
+  CHECK_THROWS_WITH(host.stats(), Catch::Contains("TINYDEV_LRU"));
+  CHECK_THROWS_WITH(host.max_bytes(), Catch::Contains("TINYDEV_LRU"));
+}
+
+TEST_CASE("settings: an invalid setting at startup is an error at the first allocation and not an abort", "[hostile][config]") {
+  CHECK(run_probe("[invalid-lru-probe]", {{"TINYDEV_LRU", "yes"}}) == 0);
+}
