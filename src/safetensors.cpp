@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <optional>
 #include <cerrno>
 #include <cstring>
 #include <nlohmann/json.hpp>
@@ -408,10 +409,36 @@ std::vector<LoadedTensor> load_safetensors(const std::string& path, std::string_
     throw InvalidArgument(fmt::format("load_safetensors: {} ends in \":0\", which device names drop: rename the file",
                                       quote_for_message(path)));
   Compiled& dest = Device[device];
+  if (dest.allocator().file_reader())
+    throw InvalidArgument(fmt::format("load_safetensors: cannot load onto {}: every tensor would be written at the "
+                                      "start of that one file; load onto a compute device (LLVM, CLANG, CUDA, NULL)",
+                                      dest.name()));
   // The whole file as one DISK buffer; each tensor a view of it at its absolute offset.
   Buffer file(disk_name, static_cast<std::size_t>(header.data_offset + (header.tensors.empty() ? 0 : header.tensors.back().end)),
               dtypes::uint8);
-  if (file.nbytes() > 0) file.allocate();
+  if (file.nbytes() > 0) {
+    file.allocate();
+    // Note [One file for header and data]: the header was read through a descriptor of its own,
+    // the data is read through the DISK device's, which a buffer still open on the path may have
+    // opened before the file was replaced. The header as the DISK device reads it must be the one
+    // checked, or the tensors would be another file's bytes under this file's layout.
+    std::vector<std::byte> head(static_cast<std::size_t>(header.data_offset));
+    file.view(head.size(), dtypes::uint8, 0).ensure_allocated().copyout(head);
+    std::optional<SafetensorsHeader> seen;
+    try {
+      seen = parse_safetensors_header(head, file.nbytes(), path);
+    } catch (const Error&) {
+    }
+    const auto same_layout = [](const SafetensorsTensor& a, const SafetensorsTensor& b) {
+      return a.name == b.name && a.dtype == b.dtype && a.shape == b.shape && a.begin == b.begin && a.end == b.end;
+    };
+    if (!seen || seen->data_offset != header.data_offset ||
+        !std::ranges::equal(seen->tensors, header.tensors, same_layout))
+      throw IoError(fmt::format("load_safetensors: {} changed while it was being loaded (replaced or rewritten: the "
+                                "DISK device, opened on it earlier by a buffer still alive, reads another header); "
+                                "drop the DISK buffers on it and load again",
+                                quote_for_message(path)));
+  }
   LoadProgress p;
   p.tensors_total = header.tensors.size();
   p.bytes_total = header.tensors.empty() ? 0 : header.tensors.back().end;

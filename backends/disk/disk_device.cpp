@@ -279,7 +279,9 @@ class ReadQueue {
 // mincore of a whole 2 MiB piece costs about as much as 5% of its copy, and a page that turns
 // out not to be cached is read in by the copy's page fault, which is slower but right.
 bool resident(const FileFds& fds, std::uint64_t offset, std::size_t length) {
-  if (!fds.map || offset >= fds.map_bytes || length == 0) return false;
+  // Wholly inside the mapping, or not copied from it: the file may be longer than the buffers
+  // opened on it, and the mapping covers only what they asked for.
+  if (!fds.map || length == 0 || offset >= fds.map_bytes || length > fds.map_bytes - offset) return false;
   const std::uint64_t first = align_down(offset);
   const std::uint64_t last = align_down(std::min<std::uint64_t>(offset + length, fds.map_bytes) - 1);
   const std::uint64_t pages = (last - first) / kPage + 1;
@@ -406,7 +408,7 @@ class DiskFile {
     struct stat st{};
     if (::fstat(fd_, &st) != 0) throw IoError(fmt::format("{}: fstat failed: {}", device_, os_error(errno)));
     const std::uint64_t file_size = file_size_locked(st);
-    if (offset + size > file_size)
+    if (size > file_size || offset > file_size - size)
       throw IoError(fmt::format("{}: reading bytes {} to {}, but the file is {} bytes: it is shorter than the "
                                 "buffer opened on it; open a smaller buffer or check the file",
                                 device_, offset, offset + size, file_size));
@@ -430,6 +432,10 @@ class DiskFile {
   std::span<std::byte> window(std::uint64_t offset, std::uint64_t size) {
     for_read(offset, size);  // the range must be in the file: past its end the mapping faults
     std::lock_guard lock(mutex_);
+    if (size > map_bytes_ || offset > map_bytes_ - size)  // and in the mapping, which covers the buffers' sizes
+      throw InvalidArgument(fmt::format("{}: a window on bytes {} to {}, past the {} bytes mapped for the buffers "
+                                        "opened on it",
+                                        device_, offset, offset + size, map_bytes_));
     return {map_ + offset, size};
   }
 
@@ -476,6 +482,11 @@ class DiskFile {
       if (err == ENOENT && !create) return;  // created by the first write
       if (err == EISDIR)
         throw InvalidArgument(fmt::format("{}: {} is a folder; a DISK device is one file", device_, path_));
+      // A socket (or a device file with no device behind it) cannot be opened at all.
+      if (err == ENXIO)
+        throw InvalidArgument(fmt::format("{}: {} is not a regular file or a block device ({}); a DISK device reads "
+                                          "and writes files",
+                                          device_, path_, os_error(err)));
       throw IoError(fmt::format("{}: cannot {} {}: {}", device_, create ? "create" : "open", shm_ ? shm_name_ : path_,
                                 os_error(err)));
     }
@@ -594,6 +605,7 @@ class DiskAllocator final : public Allocator, public FileReader {
   }
 
   void read_into(std::byte* dest, const Allocation& src, std::size_t size) override {
+    detail::check_fits(size, src, "a read", describe());  // never past the buffer asked for
     const FileFds fds = file_.for_read(src.va_addr, size);
     ReadQueue queue(fds, kMaxInFlight, file_.device());
     const std::uint64_t begin = src.va_addr, end = begin + size;
@@ -628,6 +640,7 @@ class DiskAllocator final : public Allocator, public FileReader {
   }
 
   void read_sharded(const Allocation& src, std::size_t size, StagingSink& sink) override {
+    detail::check_fits(size, src, "a read", describe());  // never past the buffer asked for
     const FileFds fds = file_.for_read(src.va_addr, size);
     const std::size_t slot = sink.slot_bytes();
     // Reads are whole pages from a page boundary when a slot holds at least one page (so that

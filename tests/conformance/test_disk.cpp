@@ -4,6 +4,8 @@
 // written here and loaded back.
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -515,4 +517,100 @@ TEST_CASE("disk: malformed and hostile safetensors headers fail cleanly", "[disk
   CHECK_THROWS_AS(write_safetensors(path, named_metadata), InvalidArgument);
   const SafetensorsEntry overflowing[] = {{"x", dtypes::uint8, {1ull << 32, 1ull << 32}, one}};
   CHECK_THROWS_AS(write_safetensors(path, overflowing), InvalidArgument);
+}
+
+TEST_CASE("disk: a read longer than its source buffer is InvalidArgument and a longer range is read from the file, not past its mapping", "[disk]") {
+  for_each_hcq_device([](auto& dev) {
+    TempDir dir;
+    const std::uint64_t seed = fresh_seed();
+    INFO("seed " << seed);
+    const std::size_t n = std::size_t{1} << 20;
+    const auto data = random_bytes(n, seed);
+    const std::string path = dir.str() + "/long.bin";
+    write_file(path, data);  // in the page cache: reads would copy from the mapping
+    StagingShapeRestore<std::remove_reference_t<decltype(dev)>> restore{dev};
+    // A buffer on the first page only: the DISK device maps that page.
+    Buffer file("DISK:" + path, 4096, dtypes::uint8);
+    file.allocate();
+    FileReader& reader = *Device["DISK:" + path].allocator().file_reader();
+    const auto sentinel = random_bytes(n, seed + 1);
+    Buffer dest(dev.name(), n, dtypes::uint8);
+    dest.allocate().copyin(sentinel);
+    for (const bool staged : {false, true}) {
+      INFO((staged ? "staged through the ring" : "read straight in"));
+      hcq_allocator(dev).set_force_staging(staged);
+      CHECK_THROWS_WITH(dev.allocator().copy_from_disk(dest.allocation(), reader, file.allocation(), n),
+                        Catch::Contains("a read of 1048576 bytes with an allocation of 4096 bytes"));
+      CHECK(read_back(dest) == sentinel);
+    }
+    std::vector<std::byte> host(n);
+    CHECK_THROWS_AS(reader.read_into(host.data(), file.allocation(), n), InvalidArgument);
+    // A range of the file past the mapping (an allocation naming it, as a hostile caller could
+    // make) is read from the file: the bytes are right and nothing is copied past the mapping.
+    const Allocation longer{file.allocation().va_addr, n, file.allocation().backend};
+    reader.read_into(host.data(), longer, n);
+    CHECK(host == data);
+    for (const bool staged : {false, true}) {
+      hcq_allocator(dev).set_force_staging(staged);
+      dev.allocator().copy_from_disk(dest.allocation(), reader, longer, n);
+      dev.synchronize();
+      CHECK(read_back(dest) == data);
+      dest.copyin(sentinel);
+    }
+  }, Needs{});
+}
+
+TEST_CASE("disk: a safetensors file replaced while a DISK buffer holds the old one is an IoError and a DISK destination is refused", "[disk][host]") {
+  TempDir dir;
+  std::uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  const std::string path = dir.str() + "/model.safetensors";
+  const auto old_a = random_bytes(64 << 10, ++seed), old_b = random_bytes(4096, ++seed);
+  const SafetensorsEntry v1[] = {{"a", dtypes::float32, {16 << 10}, old_a}, {"b", dtypes::uint8, {4096}, old_b}};
+  write_safetensors(path, v1);
+  const auto v1_size = std::filesystem::file_size(path);
+  {
+    // A buffer on the old file, as a server holding a DISK view of the weights would.
+    Buffer keep("DISK:" + path, v1_size, dtypes::uint8);
+    keep.allocate();
+    // The new version, smaller and laid out otherwise, renamed over the path.
+    const auto new_b = random_bytes(8192, ++seed);
+    const SafetensorsEntry v2[] = {{"b", dtypes::int32, {2048}, new_b}};
+    write_safetensors(path + ".tmp", v2);
+    std::filesystem::rename(path + ".tmp", path);
+    CHECK_THROWS_WITH(load_safetensors(path, "NULL"), Catch::Contains("changed while it was being loaded"));
+  }
+  // With the old file's buffer gone the DISK device opens the new file.
+  const auto loaded = load_safetensors(path, "NULL");
+  REQUIRE(loaded.size() == 1);
+  CHECK(loaded[0].name == "b");
+  CHECK(loaded[0].buffer.dtype() == dtypes::int32);
+  // Onto a DISK device every tensor would land at the start of one file (here the model itself).
+  const auto before = std::filesystem::file_size(path);
+  std::vector<std::byte> head(64);
+  {
+    std::ifstream in(path, std::ios::binary);
+    in.read(reinterpret_cast<char*>(head.data()), 64);
+  }
+  CHECK_THROWS_WITH(load_safetensors(path, "DISK:" + path), Catch::Contains("cannot load onto"));
+  CHECK(std::filesystem::file_size(path) == before);
+  std::vector<std::byte> after(64);
+  std::ifstream in(path, std::ios::binary);
+  in.read(reinterpret_cast<char*>(after.data()), 64);
+  CHECK(after == head);
+}
+
+TEST_CASE("disk: a socket path is InvalidArgument saying it is not a file", "[disk][host]") {
+  TempDir dir;
+  const std::string path = dir.str() + "/socket";
+  const int fd = ::socket(AF_UNIX, SOCK_STREAM, 0);
+  REQUIRE(fd >= 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  REQUIRE(path.size() < sizeof(addr.sun_path));
+  std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
+  REQUIRE(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0);
+  CHECK_THROWS_WITH(Buffer("DISK:" + path, 16, dtypes::uint8).allocate(),
+                    Catch::Contains("is not a regular file or a block device"));
+  ::close(fd);
 }
