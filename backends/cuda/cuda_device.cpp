@@ -1721,6 +1721,9 @@ std::uint64_t CudaHCQDevice::submit_copyin_later(const Allocation& dest, std::sp
 
 std::optional<double> CudaHCQDevice::launch_direct(const CudaProgram& program, const std::byte* args,
                                                    std::uint32_t bytes, Dim3 global, Dim3 local, bool timed) {
+  // Ahead of a reserved value not yet submitted, the lazy value covering this call would be
+  // signalled before the reserved one (Note [Timeline reservations]).
+  check_no_reservation_held("a direct kernel call");
   const DeviceState& s = *state_;
   const auto function = static_cast<CUfunction>(program.function());
   auto work = [&](void* stream) {

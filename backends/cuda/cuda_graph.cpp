@@ -120,6 +120,7 @@ class CudaGraph final : public Graph {
                                bool wait) override {
     check_replay(inputs, variables);
     device_.check_usable();  // before the lock: a forked child's may be held by a parent's thread
+    device_.check_no_reservation_held("a graph replay");
     std::lock_guard lock(device_.submit_mutex());
     device_.throw_if_failed();
     const DeviceState& s = device_.state();

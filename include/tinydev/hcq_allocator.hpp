@@ -81,6 +81,7 @@ class HCQAllocator : public LRUAllocator {
   void copyin(Allocation dest, std::span<const std::byte> src) override {
     detail::check_fits(src.size(), dest, "copyin", describe());
     device_.check_usable();  // a faulted device would drop the bytes (docs/serving.md)
+    device_.check_no_reservation_held("a copyin");
     std::lock_guard lock(device_.submit_mutex());
     if (host_visible(dest) && !force_staging_ && device_.idle()) {
       direct_copy(dest.host_ptr<std::byte>(), src.data(), src.size(), "CPU", device_.name());
@@ -106,6 +107,7 @@ class HCQAllocator : public LRUAllocator {
   void copyout(std::span<std::byte> dest, Allocation src) override {
     detail::check_fits(dest.size(), src, "copyout", describe());
     device_.check_usable();
+    device_.check_no_reservation_held("a copyout");
     std::lock_guard lock(device_.submit_mutex());
     // The device's default queue only: its streams' work is ordered through events, not here.
     device_.wait_submitted();
@@ -153,6 +155,8 @@ class HCQAllocator : public LRUAllocator {
     Device::copy_queue_type::check_copy(dest, src, size);
     src_device.check_usable();
     dest_device.check_usable();
+    src_device.check_no_reservation_held("a transfer from it");
+    dest_device.check_no_reservation_held("a transfer to it");
     // Optional hook: a device that must set up a path first (a GPU enabling peer access).
     if constexpr (requires { src_device.prepare_transfer(dest_device); })
       if (&src_device != &dest_device) src_device.prepare_transfer(dest_device);
@@ -205,6 +209,7 @@ class HCQAllocator : public LRUAllocator {
   void copy_from_disk(Allocation dest, FileReader& reader, const Allocation& src, std::size_t size) override {
     detail::check_fits(size, dest, "copy_from_disk", describe());
     device_.check_usable();
+    device_.check_no_reservation_held("a copy_from_disk");
     std::lock_guard lock(device_.submit_mutex());
     const std::string what = fmt::format(TINYDEV_FMT("DISK -> {}"), device_.name());
     if (host_visible(dest) && !force_staging_ && device_.idle()) {

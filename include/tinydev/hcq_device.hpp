@@ -128,6 +128,7 @@ class HCQCompiled : public Compiled {
   // recover() the next record takes a fresh signal, the failed one staying for its Events.
   Event record() override {
     check_usable();
+    check_no_reservation_held("record()");
     std::lock_guard lock(submit_mutex_);
     signal_lazy_work_now();     // so that idle() says whether everything submitted finished
     if (idle()) return Event();
@@ -202,10 +203,17 @@ class HCQCompiled : public Compiled {
   // A reservation dropped before submitted() (recording or submitting threw) completes its value
   // in order with an empty queue, so the device goes on; a host wait for exactly that value
   // (wait_timeline) throws an Error saying the value was abandoned, as nothing ran for it.
+  // While the thread holds it, what would wait for the reserved value or queue work behind it
+  // (synchronize, record, the allocator's copies, graph replays, direct kernel calls) is
+  // InvalidArgument on that thread (check_no_reservation_held): the work after it would wait for
+  // a value only this thread can submit, a host wait for 30 s and then Timeout, a queue for good
+  // (the in-order worker holds the reserved work's queue behind it). Other threads wait for the
+  // submit mutex as usual.
   class TimelineReservation {
    public:
     explicit TimelineReservation(HCQCompiled& device) : device_(&device), lock_(device.submit_mutex()) {
       value_ = device.next_timeline_value();
+      device.reservation_opened(value_);
     }
     TimelineReservation(TimelineReservation&& other) noexcept
         : device_(other.device_), lock_(std::move(other.lock_)), value_(other.value_), done_(other.done_) {
@@ -213,12 +221,16 @@ class HCQCompiled : public Compiled {
     }
     TimelineReservation& operator=(TimelineReservation&&) = delete;
     ~TimelineReservation() {
-      if (!done_) device_->abandon_timeline_value(value_);
+      if (done_) return;
+      device_->reservation_closed();
+      device_->abandon_timeline_value(value_);
     }
     std::uint64_t value() const noexcept { return value_; }
     // The work signalling value() was submitted: the reservation is spent, the lock released.
     void submitted() noexcept {
+      if (done_) return;
       done_ = true;
+      device_->reservation_closed();
       if (lock_.owns_lock()) lock_.unlock();
     }
 
@@ -259,6 +271,16 @@ class HCQCompiled : public Compiled {
   void check_not_forked() const {
     if (detail::fork_generation() != fork_generation_) [[unlikely]]
       detail::throw_forked_device(name());
+  }
+  // InvalidArgument when the calling thread holds an unsubmitted timeline reservation of this
+  // device (Note [Timeline reservations]): `what` would wait for the reserved value. Lock-free.
+  void check_no_reservation_held(std::string_view what) const {
+    if (reservation_holder_.load(std::memory_order_relaxed) == std::this_thread::get_id()) [[unlikely]]
+      throw InvalidArgument(fmt::format(
+          TINYDEV_FMT("{}: {} while this thread holds timeline value {} reserved and not submitted: it would wait for "
+                      "that value, which only this thread can submit; submit the reserved work and call "
+                      "submitted() first (Note [Timeline reservations])"),
+          name(), what, held_reservation_value_));
   }
   [[noreturn]] void throw_fault() const {
     throw DeviceFault(fmt::format(TINYDEV_FMT("{} cannot take more work: {}. {}"), name(), fault(), recovery_hint()));
@@ -339,6 +361,7 @@ class HCQCompiled : public Compiled {
 
   void synchronize() override {
     check_usable();
+    check_no_reservation_held("synchronize()");
     std::lock_guard lock(submit_mutex_);
     wait_submitted();
     if (wraps_timeline_ && timeline_value() > kTimelineWrap) wrap_timeline();
@@ -431,6 +454,12 @@ class HCQCompiled : public Compiled {
     timeline_slot_.store(&timeline_signal_.slot(), std::memory_order_release);
     // Pending frees keep marks on the old slot, which holds its final value until the next wrap.
     wraps_.fetch_add(1, std::memory_order_release);
+    {
+      // Values dropped before the wrap were completed with it; the numbers are handed out again.
+      std::lock_guard abandoned_lock(abandoned_mutex_);
+      abandoned_.clear();
+      has_abandoned_.store(false, std::memory_order_release);
+    }
     on_timeline_wrapped();
   }
 
@@ -546,6 +575,20 @@ class HCQCompiled : public Compiled {
   std::vector<std::uint64_t> abandoned_;  // timeline values dropped unsubmitted, newest last (at most 64)
   std::atomic<bool> has_abandoned_{false};
   mutable std::atomic<bool> timed_out_{false};
+  // Note [Timeline reservations]: the thread holding unsubmitted reservations (it holds the
+  // submit mutex meanwhile, so only it writes these), how many, and the first one's value.
+  std::atomic<std::thread::id> reservation_holder_{};
+  int open_reservations_ = 0;
+  std::uint64_t held_reservation_value_ = 0;
+  void reservation_opened(std::uint64_t value) noexcept {
+    if (open_reservations_++ == 0) {
+      held_reservation_value_ = value;
+      reservation_holder_.store(std::this_thread::get_id(), std::memory_order_relaxed);
+    }
+  }
+  void reservation_closed() noexcept {
+    if (--open_reservations_ == 0) reservation_holder_.store(std::thread::id(), std::memory_order_relaxed);
+  }
 };
 
 // The seed's hcq_profile: when profiling, brackets work with two timestamp commands (in `queue`

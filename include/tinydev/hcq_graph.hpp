@@ -176,6 +176,7 @@ class HCQGraph final : public Graph {
                                bool wait) override {
     check_replay(inputs, variables);
     device_.check_usable();
+    device_.check_no_reservation_held("a graph replay");
     const auto start = std::chrono::steady_clock::now();
     std::unique_lock lock(device_.submit_mutex());
     if (signal_.slot().poisoned.load(std::memory_order_acquire)) [[unlikely]] {

@@ -377,8 +377,8 @@ class HCQLaneStream : public Stream {
     q.copy(Allocation{reinterpret_cast<std::uintptr_t>(dest.data()), dest.size(), nullptr}, src.allocation(),
            dest.size());
     q.signal(lane_.timeline_signal(), value);
-    waits_.clear();
     q.submit(lane_);
+    waits_.clear();  // after the submit: one that throws leaves them for the stream's next work
     reservation.submitted();
     return finish(std::span(&src, 1), nullptr);
   }
@@ -395,8 +395,8 @@ class HCQLaneStream : public Stream {
     q.wait(lane_.timeline_signal(), value - 1);
     for (const auto& [signal, wanted] : waits_) q.wait(signal, wanted);
     q.exec(program, kernargs, params.global, params.local).signal(lane_.timeline_signal(), value);
-    waits_.clear();
     q.submit(lane_);
+    waits_.clear();  // after the submit: one that throws leaves them for the stream's next work
     reservation.submitted();
     return finish(buffers, holder);
   }
@@ -432,8 +432,8 @@ class HCQLaneStream : public Stream {
     q.wait(lane_.timeline_signal(), value - 1);
     for (const auto& [signal, wanted] : waits_) q.wait(signal, wanted);
     q.signal(lane_.timeline_signal(), value);
-    waits_.clear();
     q.submit(lane_);
+    waits_.clear();  // after the submit: one that throws leaves them for the stream's next work
     reservation.submitted();
   }
   // The event ending everything submitted so far (lazy timeline work is signalled first: Note

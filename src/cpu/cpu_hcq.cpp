@@ -453,6 +453,7 @@ std::shared_ptr<std::byte[]> CpuHCQDevice::allocate_kernargs_block(std::size_t b
 
 void CpuHCQDevice::before_direct_call() {
   check_usable();
+  check_no_reservation_held("a direct kernel call");
   if (!idle()) wait_timeline_reached(timeline_value() - 1);
 }
 

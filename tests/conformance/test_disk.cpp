@@ -519,7 +519,7 @@ TEST_CASE("disk: malformed and hostile safetensors headers fail cleanly", "[disk
   CHECK_THROWS_AS(write_safetensors(path, overflowing), InvalidArgument);
 }
 
-TEST_CASE("disk: a read longer than its source buffer is InvalidArgument and a longer range is read from the file, not past its mapping", "[disk]") {
+TEST_CASE("disk: a read longer than its source buffer is InvalidArgument and a longer range is read from the file and not past its mapping", "[disk]") {
   for_each_hcq_device([](auto& dev) {
     TempDir dir;
     const std::uint64_t seed = fresh_seed();

@@ -110,6 +110,93 @@ TEST_CASE("serving: a timeline reservation dropped by an exception completes its
   }, Needs{});
 }
 
+TEST_CASE("serving: a timeline value dropped before a wrap is not taken for the same number after it", "[serving]") {
+  for_each_hcq_device([](auto& dev) {
+    std::uint64_t dropped = 0;
+    { dropped = dev.reserve_timeline_value().value(); }  // dropped unsubmitted: completed empty
+    CHECK_THROWS_WITH(dev.wait_timeline(dropped, 5000ms), Catch::Contains("dropped"));
+    const auto data = random_bytes(4096, fresh_seed());
+    Buffer src(dev.name(), data.size(), dtypes::uint8), dst(dev.name(), data.size(), dtypes::uint8);
+    src.allocate().copyin(data);  // a staged copyin takes timeline values: before the numbers are set
+    dst.allocate();
+    dev.synchronize();
+    dev.set_timeline_for_testing(dev.kTimelineWrap + 2);
+    dev.synchronize();  // wraps: the numbers start again from 1
+    REQUIRE(dev.timeline_value() <= dropped);
+    dev.set_timeline_for_testing(dropped);
+    // The same number, taken again after the wrap, for work that ran.
+    std::uint64_t value = 0;
+    {
+      auto r = dev.reserve_timeline_value();
+      value = r.value();
+      dev.copy_queue()
+          .wait(dev.timeline_signal(), r.value() - 1)
+          .copy(dst.allocation(), src.allocation(), data.size())
+          .signal(dev.timeline_signal(), r.value())
+          .submit(dev);
+      r.submitted();
+    }
+    REQUIRE(value == dropped);
+    CHECK_NOTHROW(dev.wait_timeline(value, 5000ms));
+    std::vector<std::byte> back(data.size());
+    dst.copyout(back);
+    CHECK(back == data);
+  }, Needs{});
+}
+
+TEST_CASE("serving: calls that would wait for a timeline value this thread holds reserved are InvalidArgument at once",
+          "[serving]") {
+  for_each_hcq_device([](auto& dev) {
+    auto add = load_add(dev);
+    const std::uint64_t seed = fresh_seed();
+    INFO("seed " << seed);
+    const auto data = random_bytes(8192, seed), other = random_bytes(8192, seed + 1);
+    Buffer src(dev.name(), data.size(), dtypes::uint8), dst(dev.name(), data.size(), dtypes::uint8);
+    src.allocate().copyin(data);
+    dst.allocate().copyin(other);
+    const AddOperands operands(dev, 64);
+    const Allocation args[] = {operands.out.allocation(), operands.ba.allocation(), operands.bb.allocation()};
+    const std::int32_t values[] = {64};
+    std::vector<std::byte> back(data.size());
+    {
+      auto r = dev.reserve_timeline_value();
+      // Each would wait for r (a host wait: 30 s, then Timeout), or queue work behind r that the
+      // in-order worker runs before r's own queue, which then never comes (a wedged queue).
+      const std::string held = "holds timeline value " + std::to_string(r.value()) + " reserved and not submitted";
+      const auto t0 = std::chrono::steady_clock::now();
+      CHECK_THROWS_WITH(dev.synchronize(), Catch::Contains(held) && Catch::Contains("synchronize()"));
+      CHECK_THROWS_WITH(dst.copyin(other), Catch::Contains(held) && Catch::Contains("copyin"));
+      CHECK_THROWS_WITH(src.copyout(back), Catch::Contains(held) && Catch::Contains("copyout"));
+      CHECK_THROWS_WITH(dev.record(), Catch::Contains(held) && Catch::Contains("record()"));
+      CHECK_THROWS_WITH(copy(dst, src), Catch::Contains(held) && Catch::Contains("transfer"));
+      CHECK_THROWS_WITH((*add)(args, values), Catch::Contains(held) && Catch::Contains("direct kernel call"));
+      CHECK(std::chrono::steady_clock::now() - t0 < 5s);
+      // Another thread waits for the submit mutex as before, and goes on once r is submitted.
+      std::atomic<bool> synced{false};
+      std::thread other_thread([&] {
+        dev.synchronize();
+        synced = true;
+      });
+      std::this_thread::sleep_for(20ms);
+      CHECK_FALSE(synced.load());
+      dev.copy_queue()
+          .wait(dev.timeline_signal(), r.value() - 1)
+          .copy(dst.allocation(), src.allocation(), data.size())
+          .signal(dev.timeline_signal(), r.value())
+          .submit(dev);
+      r.submitted();
+      other_thread.join();
+      CHECK(synced.load());
+    }
+    dev.synchronize();
+    dst.copyout(back);
+    CHECK(back == data);
+    // Nothing is held any more: the same calls work.
+    CHECK_NOTHROW(dst.copyin(other));
+    CHECK_NOTHROW(dev.record());
+  });
+}
+
 TEST_CASE("serving: after a queue failure every call throws DeviceFault naming it until recover()", "[serving]") {
   for_each_hcq_device([](auto& dev) {
     auto add = load_add(dev);
