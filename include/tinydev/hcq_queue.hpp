@@ -127,19 +127,24 @@ class HWCommandQueue {
     check(cmd, CommandKind::signal, "update_signal");
     if (signal) note_pool(*signal);
     self()._update_signal(cmd, signal, value);
+    if (signal) note_signal_use(cmd, *signal);
     return self();
   }
   Derived& update_wait(std::size_t cmd, std::optional<Signal> signal = {}, std::optional<std::uint64_t> value = {}) {
     check(cmd, CommandKind::wait, "update_wait");
     if (signal) note_pool(*signal);
     self()._update_wait(cmd, signal, value);
+    if (signal) note_signal_use(cmd, *signal);
     return self();
   }
 
   // Hands a snapshot of the commands to `device`. Throws InvalidArgument (nothing queued) when the
-  // device is of another kind or cannot reach a signal the queue uses.
+  // device is of another kind, cannot reach a signal the queue uses, or a signal a command uses was
+  // freed since it was recorded (its slot may be another signal's by now: Note [Signals of a
+  // recorded queue]).
   template <class Device>
   Derived& submit(Device& device) {
+    check_signals_live();
     self()._submit(device);
     return self();
   }
@@ -180,7 +185,10 @@ class HWCommandQueue {
   Derived& record(CommandKind kind, const Signal& signal, Emit&& emit) {
     signal.slot();  // throws for a freed or empty handle, before anything is recorded
     note_pool(signal);
-    return record(kind, std::forward<Emit>(emit));
+    const std::size_t cmd = kinds_.size();
+    record(kind, std::forward<Emit>(emit));
+    note_signal_use(cmd, signal);
+    return self();
   }
 
   void check(std::size_t cmd, CommandKind want, std::string_view what) const {
@@ -257,12 +265,45 @@ class HWCommandQueue {
     if (std::find(pools_.begin(), pools_.end(), signal.pool()) == pools_.end()) pools_.push_back(signal.pool());
   }
 
+  // Note [Signals of a recorded queue]
+  // A backend's command holds its signal's slot, not the handle: a recorded queue submitted again
+  // after the signal was freed would write, or wait on, whatever signal took the slot since
+  // (slots are handed out again, newest first). So the queue keeps the handle of each command's
+  // signal, in command order, and submit checks every one is still live: a generation compare per
+  // signal command, no allocation.
+  void note_signal_use(std::size_t cmd, const Signal& signal) {
+    const auto at = std::lower_bound(signal_uses_.begin(), signal_uses_.end(), cmd,
+                                     [](const SignalUse& use, std::size_t c) { return use.cmd < c; });
+    if (at != signal_uses_.end() && at->cmd == cmd) at->signal = signal;
+    else signal_uses_.insert(at, SignalUse{static_cast<std::uint32_t>(cmd), signal});
+  }
+  void check_signals_live() const {
+    for (const SignalUse& use : signal_uses_) {
+      try {
+        use.signal.slot();
+      } catch (const InvalidArgument& e) {
+        const CommandKind kind = kinds_[use.cmd];
+        throw InvalidArgument(fmt::format(TINYDEV_FMT("cannot submit the queue: its command {} (a {}) uses a signal "
+                                                      "freed since it was recorded ({}); record the queue again{}"),
+                                          use.cmd, to_string(kind), e.what(),
+                                          kind == CommandKind::wait     ? ", or give it a live signal with update_wait"
+                                          : kind == CommandKind::signal ? ", or give it a live signal with update_signal"
+                                                                        : ""));
+      }
+    }
+  }
+
  private:
   std::shared_ptr<std::vector<Command>> q_;
   std::vector<Spare> spares_;
   std::vector<std::uint32_t> offsets_, lens_;
   std::vector<CommandKind> kinds_;
   std::vector<const SignalPool*> pools_;
+  struct SignalUse {
+    std::uint32_t cmd;
+    Signal signal;
+  };
+  std::vector<SignalUse> signal_uses_;  // by command, ascending (Note [Signals of a recorded queue])
 };
 
 template <class Derived, class Command, class ProgramT>

@@ -67,6 +67,42 @@ TEST_CASE("hcq: update_signal and update_wait patch a recorded queue - which res
   }, Needs{});
 }
 
+TEST_CASE("hcq: a recorded queue whose signal was freed is not submitted again into the signal that took its slot", "[hcq]") {
+  for_each_hcq_device([](auto& dev) {
+    const std::uint64_t seed = fresh_seed();
+    const std::uint64_t value = 1000 + seed % 1000;
+    Signal done = dev.alloc_signal(0), gate = dev.alloc_signal(0);
+    typename std::remove_cvref_t<decltype(dev)>::compute_queue_type q;
+    q.wait(gate, 1).signal(done, value);
+    gate.set(1);
+    q.submit(dev);
+    done.wait(value, 5000ms);
+    dev.synchronize();
+    dev.free_signal(done);
+    dev.synchronize();  // the slot is reusable once the timeline passed its uses
+    // The next signal takes the freed slot (newest first); it must not see the old queue's write.
+    Signal reused = dev.alloc_signal(7);
+    CHECK(reused.index() == done.index());
+    CHECK_THROWS_WITH(q.submit(dev), Catch::Contains("command 1 (a signal) uses a signal freed since it was "
+                                                     "recorded") &&
+                                         Catch::Contains("update_signal"));
+    dev.synchronize();
+    CHECK(reused.value() == 7);
+    // Patched with a live signal, the queue submits again.
+    Signal fresh = dev.alloc_signal(0);
+    q.update_signal(1, fresh, value + 1).submit(dev);
+    fresh.wait(value + 1, 5000ms);
+    CHECK(reused.value() == 7);
+    // A freed wait signal likewise names update_wait.
+    dev.synchronize();
+    dev.free_signal(gate);
+    CHECK_THROWS_WITH(q.submit(dev), Catch::Contains("command 0 (a wait)") && Catch::Contains("update_wait"));
+    dev.synchronize();
+    dev.free_signal(fresh);
+    dev.free_signal(reused);
+  }, Needs{});
+}
+
 // Note [Queue resubmission]: patching a queue never changes a snapshot still queued.
 TEST_CASE("hcq: resubmitting while earlier submissions are still queued leaves them as submitted", "[hcq]") {
   for_each_hcq_device([](auto& dev) {
