@@ -18,9 +18,11 @@
 
 #include <fmt/core.h>
 
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <cstddef>
+#include <cstring>
 #include <deque>
 #include <span>
 #include <variant>
@@ -303,7 +305,49 @@ class HCQLaneStream : public Stream {
     std::uint64_t value;
     std::vector<Buffer> buffers;
     std::shared_ptr<Program> program;
+    std::unique_ptr<std::byte[]> capture{};  // a queued copyin's bytes (Note [CPU stream copyin captures])
+    std::size_t capture_bytes = 0;
   };
+
+  // Note [CPU stream copyin captures]
+  // A copyin returns once the caller's bytes are read (stream.hpp). On a busy CPU lane they went
+  // through the lane's staging ring, whose 4 slots stay taken until the lane's copy worker reached
+  // them: the fifth copyin behind a wait for an event not yet complete blocked its caller until the
+  // event came (30 s and a Timeout when the caller was to complete it). So a copyin that does not
+  // run on the caller copies the bytes into memory of the stream's (a capture) and queues a copy
+  // from it; the capture is held with the copy's timeline value and let go once the lane passed
+  // it, as the stream's buffers are. A stream holds at most kMaxCapturedBytes (64 MiB) of queued
+  // captures: a copyin past that waits for the earliest ones to be copied, as a submission past
+  // the queue depth would, and is a Timeout after 30 s saying so; one copyin larger than that is
+  // taken once nothing else is held. Captures whose copies ran are kept for the next copyins while
+  // the queued ones and they stay within the same 64 MiB (memory already faulted in: a fresh
+  // 64 MiB costs its page faults at every copyin), smallest fitting first. For lanes whose copy
+  // queue reads host memory (the CPU's); CUDA's lanes have their own (Note [CUDA copyin captures]).
+  static constexpr std::size_t kMaxCapturedBytes = std::size_t{64} << 20;
+  Event copyin_captured(const Buffer& dest, std::span<const std::byte> src) {
+    const std::size_t n = src.size();
+    make_room_for_capture(n);
+    std::unique_ptr<std::byte[]> capture = take_capture(n);
+    std::memcpy(capture.get(), src.data(), n);
+    auto reservation = lane_.reserve_timeline_value();
+    const std::uint64_t value = reservation.value();
+    auto q = lane_.copy_queue();
+    q.wait(lane_.timeline_signal(), value - 1);
+    for (const auto& [signal, wanted] : waits_) q.wait(signal, wanted);
+    q.copy(dest.allocation(), Allocation{reinterpret_cast<std::uintptr_t>(capture.get()), n, nullptr}, n);
+    q.signal(lane_.timeline_signal(), value);
+    q.submit(lane_);
+    waits_.clear();
+    reservation.submitted();
+    Event done = finish(std::span(&dest, 1), nullptr);
+    if (!held_.empty() && held_.back().value == value) {
+      held_.back().capture = std::move(capture);
+      held_.back().capture_bytes = n;
+    } else {
+      keep_capture(std::move(capture), n);  // copied already
+    }
+    return done;
+  }
 
   void check_buffer(const Buffer& b, std::string_view what) const {
     if (b.device() != device_.name())
@@ -409,7 +453,61 @@ class HCQLaneStream : public Stream {
   void release_finished() {
     if (held_.empty()) return;
     const std::uint64_t reached = lane_.timeline_signal().value();
-    while (!held_.empty() && held_.front().value <= reached) held_.pop_front();
+    while (!held_.empty() && held_.front().value <= reached) {
+      if (held_.front().capture) keep_capture(std::move(held_.front().capture), held_.front().capture_bytes);
+      held_.pop_front();
+    }
+  }
+  // Note [CPU stream copyin captures]: the bytes of the queued captures.
+  std::size_t queued_capture_bytes() const noexcept {
+    std::size_t bytes = 0;
+    for (const Held& h : held_) bytes += h.capture_bytes;
+    return bytes;
+  }
+  // Waits until a capture of `bytes` fits the budget beside the queued ones (the submit mutex held).
+  void make_room_for_capture(std::size_t bytes) {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+    for (std::size_t queued = queued_capture_bytes(); queued > 0 && queued + bytes > kMaxCapturedBytes;
+         queued = queued_capture_bytes()) {
+      const auto earliest = std::find_if(held_.begin(), held_.end(), [](const Held& h) { return h.capture_bytes > 0; });
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+      try {
+        lane_.wait_timeline_reached(earliest->value, std::max(left, std::chrono::milliseconds(1)));
+      } catch (const Timeout&) {
+        throw Timeout(fmt::format(TINYDEV_FMT("{}: a copyin of {} bytes waited 30 s for the stream's earlier copyins "
+                                              "({} bytes of theirs are queued, at most {}) to be copied; the stream "
+                                              "waits for work that has not come (an event not yet complete?)"),
+                                  *name_, bytes, queued, kMaxCapturedBytes));
+      }
+      release_finished();
+    }
+  }
+  // A block of at least `bytes`: the smallest spare one that fits and is at most twice as large,
+  // else a new one (spares unmapped, oldest first, until the queued captures, the spares and it fit
+  // the budget).
+  std::unique_ptr<std::byte[]> take_capture(std::size_t bytes) {
+    auto best = spare_captures_.end();
+    for (auto it = spare_captures_.begin(); it != spare_captures_.end(); ++it)
+      if (it->second >= bytes && it->second <= 2 * bytes && (best == spare_captures_.end() || it->second < best->second))
+        best = it;
+    if (best != spare_captures_.end()) {
+      std::unique_ptr<std::byte[]> block = std::move(best->first);
+      spare_bytes_ -= best->second;
+      spare_captures_.erase(best);
+      return block;
+    }
+    const std::size_t budget = std::max(kMaxCapturedBytes, bytes), queued = queued_capture_bytes();
+    std::size_t dropped = 0;
+    while (dropped < spare_captures_.size() && queued + spare_bytes_ + bytes > budget)
+      spare_bytes_ -= spare_captures_[dropped++].second;
+    spare_captures_.erase(spare_captures_.begin(), spare_captures_.begin() + static_cast<std::ptrdiff_t>(dropped));
+    return std::make_unique_for_overwrite<std::byte[]>(bytes);
+  }
+  // A capture whose copy ran: kept for the next copyins if it fits the budget, else freed.
+  void keep_capture(std::unique_ptr<std::byte[]> block, std::size_t bytes) {
+    if (queued_capture_bytes() + spare_bytes_ + bytes > kMaxCapturedBytes) return;
+    spare_bytes_ += bytes;
+    spare_captures_.emplace_back(std::move(block), bytes);
   }
   // Drops the event waits that passed (the caller may then run work on itself, ordered by
   // nothing). A wait whose signal reached its value only after a poison did not pass (Note [Events
@@ -441,7 +539,7 @@ class HCQLaneStream : public Stream {
   Event finish(std::span<const Buffer> buffers, std::shared_ptr<Program> program) {
     const std::uint64_t value = lane_.last_submitted_value();
     if (lane_.timeline_signal().slot().value.load(std::memory_order_acquire) < value)
-      held_.push_back(Held{value, std::vector<Buffer>(buffers.begin(), buffers.end()), std::move(program)});
+      held_.push_back(Held{value, std::vector<Buffer>(buffers.begin(), buffers.end()), std::move(program), nullptr, 0});
     return Event(lane_.timeline_signal(), value, name_);
   }
 
@@ -452,6 +550,9 @@ class HCQLaneStream : public Stream {
   // The lane's submit mutex serializes this stream's operations and guards these two.
   std::vector<std::pair<Signal, std::uint64_t>> waits_;  // events to wait for in the next submission
   std::deque<Held> held_;
+  // Note [CPU stream copyin captures]: blocks whose copies ran, with their sizes, oldest first.
+  std::vector<std::pair<std::unique_ptr<std::byte[]>, std::size_t>> spare_captures_;
+  std::size_t spare_bytes_ = 0;
 };
 
 }  // namespace tinydev

@@ -44,8 +44,8 @@ class CpuStream final : public HCQLaneStream<CpuHCQDevice> {
       std::memcpy(dest.allocation().host_ptr<std::byte>(), src.data(), src.size());
       return Event(lane_.timeline_signal(), lane_.timeline_value() - 1, name_);
     }
-    // The lane's staging ring: a direct copy when the lane is idle, else through its copy queue.
-    return copyin_through_lane(dest, src);
+    // Captured and queued on the lane's copy queue: returns at once (Note [CPU stream copyin captures]).
+    return copyin_captured(dest, src);
   }
 
   Event copyout(std::span<std::byte> dest, const Buffer& src) override {

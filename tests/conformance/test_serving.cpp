@@ -194,7 +194,7 @@ TEST_CASE("serving: calls that would wait for a timeline value this thread holds
     // Nothing is held any more: the same calls work.
     CHECK_NOTHROW(dst.copyin(other));
     CHECK_NOTHROW(dev.record());
-  });
+  }, Needs{.add_kernel = true});
 }
 
 TEST_CASE("serving: after a queue failure every call throws DeviceFault naming it until recover()", "[serving]") {
@@ -327,6 +327,52 @@ TEST_CASE("serving: a stream's copyout does not wait for another stream's work a
     CHECK(stream_a->record().query());
     dev.free_signal(gate);
   }, kHcqKernels);
+}
+
+TEST_CASE("serving: copyins into a stream held behind an event return at once with more than its ring holds and land once it completes",
+          "[serving]") {
+  for_each_hcq_device([](auto& dev) {
+    const std::uint64_t seed = fresh_seed();
+    INFO("seed " << seed);
+    Signal gate = dev.alloc_signal(0);
+    auto stream = dev.create_stream();
+    stream->wait(Event(gate, 1, nullptr));  // set below, by this thread
+    // 12 copyins of 3 MiB: more than a CPU lane's ring (4 slots of 2 MiB) holds, which a copyin
+    // waited for before (Note [CPU stream copyin captures]); within a stream's 64 MiB of captures.
+    constexpr int kCopies = 12;
+    const std::size_t n = (std::size_t{3} << 20) + 4;
+    std::vector<std::vector<std::byte>> expected;
+    std::vector<Buffer> dests;
+    Event last;
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < kCopies; ++i) {
+      expected.push_back(random_bytes(n, seed + i));
+      dests.emplace_back(dev.name(), n, dtypes::uint8);
+      dests.back().allocate();
+      std::vector<std::byte> bytes = expected.back();
+      last = stream->copyin(dests.back(), bytes);
+      std::fill(bytes.begin(), bytes.end(), std::byte{0x5a});  // read before copyin returned
+    }
+    CHECK(std::chrono::steady_clock::now() - t0 < 10s);
+    std::this_thread::sleep_for(20ms);
+    CHECK_FALSE(last.query());  // still behind the gate
+    gate.set(1);
+    last.wait(10000ms);
+    for (int i = 0; i < kCopies; ++i) {
+      INFO("copyin " << i);
+      std::vector<std::byte> back(n);
+      dests[i].copyout(back);
+      CHECK(back == expected[i]);
+    }
+    // The stream goes on; its captures are reused (no new memory per copyin once they ran).
+    const auto more = random_bytes(n, seed + 100);
+    stream->copyin(dests[0], more).wait(10000ms);
+    stream->synchronize();
+    std::vector<std::byte> back(n);
+    dests[0].copyout(back);
+    CHECK(back == more);
+    dev.free_signal(gate);
+  }, Needs{});
 }
 
 TEST_CASE("serving: a stream that waits for Compiled::record runs after the default queue and reads what it wrote",
