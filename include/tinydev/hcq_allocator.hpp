@@ -104,6 +104,19 @@ class HCQAllocator : public LRUAllocator {
     }
   }
 
+  // Whether a staged copyin of `bytes` would take only ring slots that are free now, so that it
+  // returns without waiting for the device (a stream's copyin must: Note [CPU stream copyin
+  // captures] in tinydev/hcq_stream.hpp). The caller holds the submit mutex.
+  bool ring_takes_without_waiting(std::size_t bytes) {
+    ensure_ring();
+    const std::size_t chunks = (bytes + batch_size_ - 1) / batch_size_;
+    if (chunks > ring_.size()) return false;  // the copyin would wait for its own earlier chunks
+    const std::uint64_t reached = device_.timeline_signal().slot().value.load(std::memory_order_acquire);
+    for (std::size_t c = 1; c <= chunks; ++c)
+      if (ring_timeline_[(next_ + c) % ring_.size()] > reached) return false;
+    return true;
+  }
+
   void copyout(std::span<std::byte> dest, Allocation src) override {
     detail::check_fits(dest.size(), src, "copyout", describe());
     device_.check_usable();

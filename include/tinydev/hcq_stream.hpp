@@ -310,13 +310,14 @@ class HCQLaneStream : public Stream {
   };
 
   // Note [CPU stream copyin captures]
-  // A copyin returns once the caller's bytes are read (stream.hpp). On a busy CPU lane they went
+  // A copyin returns once the caller's bytes are read (stream.hpp). On a busy CPU lane they go
   // through the lane's staging ring, whose 4 slots stay taken until the lane's copy worker reached
   // them: the fifth copyin behind a wait for an event not yet complete blocked its caller until the
   // event came (30 s and a Timeout when the caller was to complete it). So a copyin that does not
-  // run on the caller copies the bytes into memory of the stream's (a capture) and queues a copy
-  // from it; the capture is held with the copy's timeline value and let go once the lane passed
-  // it, as the stream's buffers are. A stream holds at most kMaxCapturedBytes (64 MiB) of queued
+  // run on the caller takes the ring only while its slots are free now
+  // (HCQAllocator::ring_takes_without_waiting); otherwise it copies the bytes into memory of the
+  // stream's (a capture) and queues a copy from it; the capture is held with the copy's timeline
+  // value and let go once the lane passed it, as the stream's buffers are. A stream holds at most kMaxCapturedBytes (64 MiB) of queued
   // captures: a copyin past that waits for the earliest ones to be copied, as a submission past
   // the queue depth would, and is a Timeout after 30 s saying so; one copyin larger than that is
   // taken once nothing else is held. Captures whose copies ran are kept for the next copyins while
