@@ -76,6 +76,17 @@ Event launch_add(Stream& stream, const std::shared_ptr<Program>& add, const Buff
   return stream.launch(add, args, values);
 }
 
+// Copies all of `src` into `dest` on the copy queue as reservation `r`'s work, and spends it.
+template <class Dev, class Reservation>
+void submit_reserved_copy(Dev& dev, Reservation& r, const Buffer& dest, const Buffer& src) {
+  dev.copy_queue()
+      .wait(dev.timeline_signal(), r.value() - 1)
+      .copy(dest.allocation(), src.allocation(), src.nbytes())
+      .signal(dev.timeline_signal(), r.value())
+      .submit(dev);
+  r.submitted();
+}
+
 }  // namespace
 
 TEST_CASE("serving: a timeline reservation dropped by an exception completes its value so the device goes on",
@@ -129,12 +140,7 @@ TEST_CASE("serving: a timeline value dropped before a wrap is not taken for the 
     {
       auto r = dev.reserve_timeline_value();
       value = r.value();
-      dev.copy_queue()
-          .wait(dev.timeline_signal(), r.value() - 1)
-          .copy(dst.allocation(), src.allocation(), data.size())
-          .signal(dev.timeline_signal(), r.value())
-          .submit(dev);
-      r.submitted();
+      submit_reserved_copy(dev, r, dst, src);
     }
     REQUIRE(value == dropped);
     CHECK_NOTHROW(dev.wait_timeline(value, 5000ms));
@@ -179,12 +185,7 @@ TEST_CASE("serving: calls that would wait for a timeline value this thread holds
       });
       std::this_thread::sleep_for(20ms);
       CHECK_FALSE(synced.load());
-      dev.copy_queue()
-          .wait(dev.timeline_signal(), r.value() - 1)
-          .copy(dst.allocation(), src.allocation(), data.size())
-          .signal(dev.timeline_signal(), r.value())
-          .submit(dev);
-      r.submitted();
+      submit_reserved_copy(dev, r, dst, src);
       other_thread.join();
       CHECK(synced.load());
     }
