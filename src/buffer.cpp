@@ -27,9 +27,13 @@ std::size_t checked_bytes(std::size_t count, DType dtype, std::string_view what)
 // Note [Buffer allocation]
 // A base and its views share one State chain: two threads may allocate two views of one
 // unallocated base, or copy() from one unallocated view of an allocated base, at once (distinct
-// Buffers, which buffer.hpp allows). So allocation runs under the base's mutex, and the
-// allocation is written once, before `allocated` is set with release: a reader that sees the flag
-// sees the allocation and the allocator, and nothing changes either afterwards. Reads take no lock.
+// Buffers, which buffer.hpp allows). So the allocation is published once, under the base's mutex,
+// before `allocated` is set with release: a reader that sees the flag sees the allocation and the
+// allocator, and nothing changes either afterwards. Reads take no lock. The allocator is called
+// outside that mutex (an allocation that runs out of memory frees the cache, which may wait for a
+// device's queued work and its submit mutex, held meanwhile by a thread that may be waiting for
+// this mutex): two threads may both allocate a base, and the one that publishes second gives its
+// memory back.
 // Every base's memory is marked owned (Allocator::adopt) while the buffer holds it, whether the
 // buffer allocated it or adopted it: a second Buffer adopting it, or a plain free of it, would free
 // memory this buffer still uses, and is refused.
@@ -43,7 +47,7 @@ struct Buffer::State {
   Allocation buf{};               // valid once `allocated`; written once
   std::shared_ptr<Allocator> allocator;  // keeps the allocator alive while we hold memory; set with buf
   std::atomic<bool> allocated{false};
-  std::mutex allocate_mutex;  // a base's serializes the allocation of it and of its views
+  std::mutex allocate_mutex;  // a base's guards the publication of it and of its views
   std::int64_t lb_refcount = 0;
   // What the allocator handed the memory out as (an adopted allocation may be larger than nbytes):
   // the size and options it is freed with.
@@ -73,72 +77,92 @@ struct Buffer::State {
   // Allocates (adopting `opaque` if given). When already allocated: nothing if `ensure`, else
   // InvalidArgument (the seed's assert).
   void allocate(std::optional<Allocation> opaque, bool ensure) {
-    if (ensure && allocated.load(std::memory_order_acquire)) return;
-    std::lock_guard lock((base ? *base : *this).allocate_mutex);
-    allocate_locked(opaque, ensure);
-  }
-
- private:
-  // Under the base's allocate_mutex.
-  void allocate_locked(std::optional<Allocation> opaque, bool ensure) {
-    if (allocated.load(std::memory_order_relaxed)) {
+    if (allocated.load(std::memory_order_acquire)) {
       if (ensure) return;
-      throw InvalidArgument(fmt::format(
-          "can't allocate already allocated buffer ({} bytes on {}): use ensure_allocated()",
-          nbytes(), device));
+      throw_already_allocated();
     }
     std::shared_ptr<Allocator> alloc = Device[device].shared_allocator();
     if (base) {
-      base->allocate_locked(std::nullopt, /*ensure=*/true);
+      base->allocate(std::nullopt, /*ensure=*/true);
       if (!alloc->supports_offset())
         throw InvalidArgument(fmt::format(
             "{} cannot make views (no offset function), so this {}-byte view at offset {} "
             "cannot be allocated",
             device, nbytes(), offset));
-      buf = alloc->offset(base->buf, nbytes(), offset);
-    } else {
-      if (opaque) {
-        if (opaque->size != 0 && opaque->size < nbytes())
-          throw InvalidArgument(fmt::format(
-              "cannot adopt an allocation of {} bytes for a buffer of {} bytes on {}: adopt one at "
-              "least as large",
-              opaque->size, nbytes(), device));
-        // The buffer frees what it adopts, so it must be a live allocation of this device's
-        // allocator that nobody owns yet (Note [Buffer allocation]).
-        std::optional<Allocator::LiveInfo> info = alloc->live_info(*opaque);
-        if (info && info->size < nbytes())
-          throw InvalidArgument(fmt::format(
-              "cannot adopt an allocation of {} bytes for a buffer of {} bytes on {}: adopt one at "
-              "least as large",
-              info->size, nbytes(), device));
-        try {
-          info = alloc->adopt(*opaque);
-        } catch (const InvalidArgument& e) {
-          throw InvalidArgument(fmt::format("cannot adopt on {}: {}", device, e.what()));
-        }
-        // The size the allocator knows, not the caller's (0, or any number at least nbytes).
-        buf = Allocation{opaque->va_addr, info->size, opaque->backend};
-        alloc_bytes = info->size;
-        alloc_options = info->options;
-      } else {
-        if (nbytes() == 0)
-          throw InvalidArgument(fmt::format(
-              "can't allocate a 0-byte buffer on {}: allocate at least one element", device));
-        const Allocation fresh = alloc->alloc(nbytes(), options);
-        try {
-          alloc->adopt(fresh);  // owned by this buffer (Note [Buffer allocation])
-        } catch (...) {
-          alloc->free(fresh, nbytes(), options);
-          throw;
-        }
-        buf = fresh;
-        alloc_bytes = nbytes();
-        alloc_options = options;
+      const Allocation view = alloc->offset(base->buf, nbytes(), offset);
+      std::lock_guard lock(base->allocate_mutex);
+      if (allocated.load(std::memory_order_relaxed)) {
+        if (ensure) return;  // another thread made the same view
+        throw_already_allocated();
       }
-      if (counts_memory()) GlobalCounters::mem_used += static_cast<std::int64_t>(nbytes());
+      publish(view, std::move(alloc));
+      return;
     }
+    Allocation mine{};
+    std::size_t bytes = nbytes();
+    BufferOptions with = options;
+    if (opaque) {
+      if (opaque->size != 0 && opaque->size < nbytes())
+        throw InvalidArgument(fmt::format(
+            "cannot adopt an allocation of {} bytes for a buffer of {} bytes on {}: adopt one at "
+            "least as large",
+            opaque->size, nbytes(), device));
+      // The buffer frees what it adopts, so it must be a live allocation of this device's
+      // allocator that nobody owns yet (Note [Buffer allocation]).
+      std::optional<Allocator::LiveInfo> info = alloc->live_info(*opaque);
+      if (info && info->size < nbytes())
+        throw InvalidArgument(fmt::format(
+            "cannot adopt an allocation of {} bytes for a buffer of {} bytes on {}: adopt one at "
+            "least as large",
+            info->size, nbytes(), device));
+      try {
+        info = alloc->adopt(*opaque);
+      } catch (const InvalidArgument& e) {
+        throw InvalidArgument(fmt::format("cannot adopt on {}: {}", device, e.what()));
+      }
+      // The size the allocator knows, not the caller's (0, or any number at least nbytes).
+      mine = Allocation{opaque->va_addr, info->size, opaque->backend};
+      bytes = info->size;
+      with = info->options;
+    } else {
+      if (nbytes() == 0)
+        throw InvalidArgument(fmt::format(
+            "can't allocate a 0-byte buffer on {}: allocate at least one element", device));
+      mine = alloc->alloc(nbytes(), options);
+      try {
+        alloc->adopt(mine);  // owned by this buffer (Note [Buffer allocation])
+      } catch (...) {
+        alloc->free(mine, nbytes(), options);
+        throw;
+      }
+    }
+    {
+      std::lock_guard lock(allocate_mutex);
+      if (!allocated.load(std::memory_order_relaxed)) {
+        alloc_bytes = bytes;
+        alloc_options = with;
+        if (counts_memory()) GlobalCounters::mem_used += static_cast<std::int64_t>(nbytes());
+        publish(mine, alloc);
+        return;
+      }
+    }
+    // Another thread allocated this buffer meanwhile: ours goes back. (Adoption happens at
+    // construction only, before any other thread has the buffer: never here.)
+    alloc->release_adopted(mine, bytes, with);
+    if (!ensure) throw_already_allocated();
+  }
+
+ private:
+  // Under the base's allocate_mutex: the allocation, then the flag.
+  void publish(Allocation a, std::shared_ptr<Allocator> alloc) {
+    buf = a;
     allocator = std::move(alloc);
     allocated.store(true, std::memory_order_release);
+  }
+  [[noreturn]] void throw_already_allocated() const {
+    throw InvalidArgument(fmt::format(
+        "can't allocate already allocated buffer ({} bytes on {}): use ensure_allocated()", nbytes(),
+        device));
   }
 };
 

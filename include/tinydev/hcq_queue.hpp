@@ -168,6 +168,7 @@ class HWCommandQueue {
       offsets_.reserve(8);
       lens_.reserve(8);
       kinds_.reserve(8);
+      signal_uses_.reserve(4);  // an eager queue's wait and signal, a graph's first few
     }
     const std::size_t before = q.size();
     try {

@@ -28,6 +28,7 @@
 #include <variant>
 #include <memory>
 #include <mutex>
+#include <new>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -318,8 +319,8 @@ class HCQLaneStream : public Stream {
   // (HCQAllocator::ring_takes_without_waiting); otherwise it copies the bytes into memory of the
   // stream's (a capture) and queues a copy from it; the capture is held with the copy's timeline
   // value and let go once the lane passed it, as the stream's buffers are. A stream holds at most kMaxCapturedBytes (64 MiB) of queued
-  // captures: a copyin past that waits for the earliest ones to be copied, as a submission past
-  // the queue depth would, and is a Timeout after 30 s saying so; one copyin larger than that is
+  // captures: a copyin past that waits for the earliest ones to be copied (bounded memory, as
+  // CUDA's Note [CUDA queue depth] bounds a queue), and is a Timeout after 30 s saying so; one copyin larger than that is
   // taken once nothing else is held. Captures whose copies ran are kept for the next copyins while
   // the queued ones and they stay within the same 64 MiB (memory already faulted in: a fresh
   // 64 MiB costs its page faults at every copyin), smallest fitting first. For lanes whose copy
@@ -340,10 +341,17 @@ class HCQLaneStream : public Stream {
     q.submit(lane_);
     waits_.clear();
     reservation.submitted();
-    Event done = finish(std::span(&dest, 1), nullptr);
+    Event done;
+    try {
+      done = finish(std::span(&dest, 1), nullptr);
+    } catch (...) {
+      (void)capture.release();  // out of memory holding it: leaked, never freed under the copy
+      throw;
+    }
     if (!held_.empty() && held_.back().value == value) {
       held_.back().capture = std::move(capture);
       held_.back().capture_bytes = n;
+      queued_capture_bytes_ += n;
     } else {
       keep_capture(std::move(capture), n);  // copied already
     }
@@ -455,16 +463,17 @@ class HCQLaneStream : public Stream {
     if (held_.empty()) return;
     const std::uint64_t reached = lane_.timeline_signal().value();
     while (!held_.empty() && held_.front().value <= reached) {
-      if (held_.front().capture) keep_capture(std::move(held_.front().capture), held_.front().capture_bytes);
+      Held& h = held_.front();
+      if (h.capture) {
+        const std::size_t bytes = std::exchange(h.capture_bytes, 0);
+        queued_capture_bytes_ -= bytes;  // before keep_capture, which counts it as a spare
+        keep_capture(std::move(h.capture), bytes);
+      }
       held_.pop_front();
     }
   }
   // Note [CPU stream copyin captures]: the bytes of the queued captures.
-  std::size_t queued_capture_bytes() const noexcept {
-    std::size_t bytes = 0;
-    for (const Held& h : held_) bytes += h.capture_bytes;
-    return bytes;
-  }
+  std::size_t queued_capture_bytes() const noexcept { return queued_capture_bytes_; }
   // Waits until a capture of `bytes` fits the budget beside the queued ones (the submit mutex held).
   void make_room_for_capture(std::size_t bytes) {
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
@@ -505,10 +514,13 @@ class HCQLaneStream : public Stream {
     return std::make_unique_for_overwrite<std::byte[]>(bytes);
   }
   // A capture whose copy ran: kept for the next copyins if it fits the budget, else freed.
-  void keep_capture(std::unique_ptr<std::byte[]> block, std::size_t bytes) {
+  void keep_capture(std::unique_ptr<std::byte[]> block, std::size_t bytes) noexcept {
     if (queued_capture_bytes() + spare_bytes_ + bytes > kMaxCapturedBytes) return;
-    spare_bytes_ += bytes;
-    spare_captures_.emplace_back(std::move(block), bytes);
+    try {
+      spare_captures_.emplace_back(std::move(block), bytes);
+      spare_bytes_ += bytes;
+    } catch (const std::bad_alloc&) {  // the block is freed instead of kept
+    }
   }
   // Drops the event waits that passed (the caller may then run work on itself, ordered by
   // nothing). A wait whose signal reached its value only after a poison did not pass (Note [Events
@@ -554,6 +566,7 @@ class HCQLaneStream : public Stream {
   // Note [CPU stream copyin captures]: blocks whose copies ran, with their sizes, oldest first.
   std::vector<std::pair<std::unique_ptr<std::byte[]>, std::size_t>> spare_captures_;
   std::size_t spare_bytes_ = 0;
+  std::size_t queued_capture_bytes_ = 0;  // the held_ entries' capture_bytes, summed
 };
 
 }  // namespace tinydev
