@@ -1820,6 +1820,7 @@ std::optional<double> CudaHCQDevice::run_ordered(StreamWork work, std::string_vi
     note_lazy_work();
     // Bounded like queued work (Note [CUDA queue depth]): every so often the lazy work is
     // signalled, and that submit waits when the GPU is far behind.
+    ++lazy_calls_total_;
     if (++lazy_calls_ >= kLazySignalEvery) signal_lazy_work_now();
     return std::nullopt;
   }
@@ -1835,11 +1836,17 @@ void CudaHCQDevice::signal_lazy_work(std::uint64_t value) {
   // The compute stream's order puts this after every direct call made since the last value.
   const CudaCommand command = CudaSignalPrimitives::signal(timeline_signal(), value);
   lazy_calls_ = 0;
-  // At most lazy_marks_.size() x kLazySignalEvery direct calls in flight: wait for the signal that
-  // many lazy signals ago (a GPU far behind blocks the caller here, not inside the driver).
-  std::uint64_t& oldest = lazy_marks_[lazy_mark_next_];
-  if (oldest) wait_timeline_reached(oldest);
-  oldest = value;
+  // At most lazy_marks_.size() x kLazySignalEvery direct calls in flight: once that many were
+  // made since the oldest of the last few lazy signals, wait for it (a GPU far behind blocks the
+  // caller here, not inside the driver). Counted in calls, not signals: a stream signals after
+  // every operation (HCQLaneStream::finish), and waiting for the fourth last of those would block
+  // a stream's fifth launch or replay queued behind an event not yet complete, which must return
+  // at once (tinydev/stream.hpp); signals that frequent are bounded by the timeline's own depth
+  // (Note [CUDA queue depth]).
+  LazyMark& oldest = lazy_marks_[lazy_mark_next_];
+  if (oldest.value && lazy_calls_total_ - oldest.calls >= lazy_marks_.size() * kLazySignalEvery)
+    wait_timeline_reached(oldest.value);
+  oldest = LazyMark{value, lazy_calls_total_};
   lazy_mark_next_ = (lazy_mark_next_ + 1) % lazy_marks_.size();
   submit_commands(CudaLane::compute, std::span(&command, 1));
   last_signal_on_compute_ = true;
@@ -1898,7 +1905,7 @@ void CudaHCQDevice::on_timeline_wrapped() {
   static_cast<CudaAllocator&>(allocator()).reset_staging_timelines();
   kernargs_.timeline_wrapped();
   last_signal_on_compute_ = true;  // nothing is in flight
-  lazy_marks_.fill(0);
+  lazy_marks_.fill(LazyMark{});
 }
 
 DeviceCapabilities CudaHCQDevice::capabilities() const {

@@ -461,7 +461,12 @@ class CudaHCQDevice final : public HCQCompiled<CudaComputeQueue, CudaCopyQueue> 
   // there): direct calls need no wait before them.
   bool last_signal_on_compute_ = true;
   std::uint32_t lazy_calls_ = 0;  // direct calls since the last timeline signal
-  std::array<std::uint64_t, 4> lazy_marks_{};  // the last lazy signals' values (0: none)
+  std::uint64_t lazy_calls_total_ = 0;  // direct calls ever made (untimed)
+  struct LazyMark {
+    std::uint64_t value = 0;  // a lazy signal's timeline value (0: none)
+    std::uint64_t calls = 0;  // lazy_calls_total_ when it was signalled
+  };
+  std::array<LazyMark, 4> lazy_marks_{};  // the last lazy signals
   std::size_t lazy_mark_next_ = 0;
   std::int64_t clock_offset_ns_ = 0;    // host ns - %globaltimer ns, measured at open
   mutable std::atomic<bool> context_failed_{false};  // a sticky driver error happened (Note [CUDA recovery])

@@ -1,18 +1,25 @@
 // tinydev/hcq_graph.hpp: native graph replay on HCQ devices (the seed's HCQGraph).
 //
 // Note [HCQ graph replay]
-// Recording builds, twice, one compute queue and one copy queue holding every node, each pair with
-// its own block of kernel arguments; replays alternate between the two copies. Each node waits on
-// the graph's own signal reaching its position and bumps it when done, so nodes run in recorded
-// order across the two queues; the compute queue starts by waiting for the device timeline (work
-// submitted before the replay) and ends by signalling it. A replay patches its copy in place: the
-// signal values (every replay uses fresh ones), the kernel-argument slots of inputs and variables
-// that differ from what that copy last ran with, and the copy commands whose inputs differ; then
-// it submits both queues. Kernel arguments are only rewritten after the replay that last used
-// them finished reading them: with two copies that is the replay before the previous one, so a
-// replay with new inputs does not wait for the previous replay (double buffering), and patching a
-// queue whose last run ended copies nothing. A store that bumps the graph's signal wakes only a
-// waiter whose value it reaches (Note [Signal waits]): no futex call per node.
+// Recording builds one compute queue and one copy queue holding every node, with its own block of
+// kernel arguments: a copy of the graph. Each node waits on the graph's own signal reaching its
+// position and bumps it when done, so nodes run in recorded order across the two queues; the
+// compute queue starts by waiting for the device timeline (work submitted before the replay) and
+// ends by signalling it. A replay patches one copy in place: the signal values (every replay uses
+// fresh ones), the kernel-argument slots of inputs and variables that differ from what that copy
+// last ran with, and the copy commands whose inputs differ; then it submits both queues (a submit
+// snapshots the commands, so patching a queue whose last run has not ended is safe). Kernel
+// arguments, though, are read by the kernels when they run: a copy's are only rewritten once the
+// replay that last used them finished. So a replay takes, in this order: a copy whose kernel
+// arguments already hold this replay's inputs and variables (nothing to rewrite; it may still
+// run); the least recently replayed copy, if its replay finished (replays finish in order, so if
+// it has not, none has); a new copy, recorded now, while the graph has fewer than kMaxCopies; and
+// only past that, waits for the least recently replayed one. The graph starts with two copies, so
+// alternating input sets rewrite nothing and a replay with new inputs does not wait for the
+// previous one (double buffering); replays with new inputs queued behind work not yet run (a
+// stream held behind an event) get a copy each and return at once, up to kMaxCopies of them. A
+// store that bumps the graph's signal wakes only a waiter whose value it reaches (Note [Signal
+// waits]): no futex call per node.
 //
 // Requirements on Device: tinydev::HCQDevice (tinydev/hcq_concepts.hpp).
 #pragma once
@@ -42,13 +49,12 @@ class HCQGraph final : public Graph {
  public:
   HCQGraph(Device& device, std::vector<GraphNode> nodes) : Graph(std::move(nodes)), device_(device) {
     static_assert(HCQDevice<Device>, "HCQGraph's Device must satisfy tinydev::HCQDevice (tinydev/hcq_concepts.hpp)");
-    std::size_t kernarg_bytes = 0;
-    std::vector<std::size_t> offsets;
     for (const GraphNode& node : nodes_) {
-      offsets.push_back(kernarg_bytes);
+      kernarg_offsets_.push_back(kernarg_bytes_);
       if (const auto* k = std::get_if<GraphKernel>(&node))
-        kernarg_bytes += (Kernargs::bytes_for(k->buffers.size(), k->values.size()) + 15) / 16 * 16;
+        kernarg_bytes_ += (Kernargs::bytes_for(k->buffers.size(), k->values.size()) + 15) / 16 * 16;
     }
+    kernarg_bytes_ = std::max<std::size_t>(kernarg_bytes_, 16);
     for (std::size_t i = 0; i < nodes_.size(); ++i) {
       const auto* k = std::get_if<GraphKernel>(&nodes_[i]);
       const auto* program = k ? dynamic_cast<const ProgramT*>(k->program.get()) : nullptr;
@@ -62,15 +68,18 @@ class HCQGraph final : public Graph {
     }
     signal_ = device.alloc_signal(0);
     try {
-      for (Copy& copy : copies_) {
-        copy.kernargs_block = device.allocate_kernargs_block(std::max<std::size_t>(kernarg_bytes, 16));
-        record(copy, offsets);
-      }
+      copies_.reserve(kMaxCopies);
+      for (int i = 0; i < 2; ++i) add_copy();
     } catch (...) {
       device.free_signal(signal_);
       throw;
     }
   }
+
+  // At most this many copies of the graph's queues and kernel arguments (Note [HCQ graph replay]):
+  // a replay with new inputs while this many replays are queued and not finished waits for the
+  // oldest.
+  static constexpr std::size_t kMaxCopies = 16;
 
   // Queued work reads our kernel arguments and runs our programs: wait for the last replay's end
   // (a poisoned signal means that work will never run). After kDestroyWait, the work is left
@@ -93,9 +102,9 @@ class HCQGraph final : public Graph {
     if (!finished || !device_.opened_in_this_process()) {
       struct Leaked {
         std::vector<GraphNode> nodes;
-        std::shared_ptr<std::byte[]> kernargs[2];
+        std::vector<std::unique_ptr<Copy>> copies;
       };
-      new Leaked{std::move(nodes_), {copies_[0].kernargs_block, copies_[1].kernargs_block}};
+      new Leaked{std::move(nodes_), std::move(copies_)};
       return;
     }
     try {
@@ -114,16 +123,27 @@ class HCQGraph final : public Graph {
     ComputeQueue compute;
     CopyQueue copy;
     std::uint64_t replays = 0, last_final = 0;  // replays that used this copy; the signal value ending the last
+    std::uint64_t last_replay = 0;              // the graph's replay number of the last (valid once replays > 0)
     std::vector<Allocation> last_inputs;
     std::vector<std::int32_t> last_variables;
   };
 
-  void record(Copy& copy, const std::vector<std::size_t>& offsets) {
+  // Records one more copy; the graph is unchanged if this throws.
+  Copy& add_copy() {
+    auto copy = std::make_unique<Copy>();
+    copy->kernargs_block = device_.allocate_kernargs_block(kernarg_bytes_);
+    record(*copy, /*note_layout=*/copies_.empty());
+    copies_.push_back(std::move(copy));  // capacity reserved in the constructor: no throw
+    return *copies_.back();
+  }
+
+  void record(Copy& copy, bool note_layout) {
     Device& device = device_;
     std::lock_guard lock(device.submit_mutex());
     ProfileGraphScope graph_scope(id());  // the execs recorded here are this graph's in the trace
-    // The node layout (uses, command indices) is the same in both copies: note it once.
-    const bool first_copy = &copy == &copies_[0];
+    // The node layout (uses, command indices) is the same in every copy: note it once.
+    const bool first_copy = note_layout;
+    const std::vector<std::size_t>& offsets = kernarg_offsets_;
     ComputeQueue& compute_q = copy.compute;
     CopyQueue& copy_q = copy.copy;
     compute_q.wait(device.timeline_signal(), 0).signal(signal_, 0);
@@ -185,18 +205,10 @@ class HCQGraph final : public Graph {
       signal_.slot().clear_poison();
       signal_.set(last_replay_end());
     }
-    Copy& copy = copies_[replays_ % std::size(copies_)];
+    Copy& copy = pick_copy(inputs, variables);
     ComputeQueue& compute_q = copy.compute;
     CopyQueue& copy_q = copy.copy;
     const bool first = copy.replays == 0;
-    // Kernel arguments of this copy's last replay (the one before the previous): wait for it to
-    // finish reading them before rewriting any (usually it has).
-    bool kernargs_change = first;
-    for (const Use& u : input_uses_)
-      if (u.kind == Use::kernarg && (first || !(inputs[u.input] == copy.last_inputs[u.input]))) kernargs_change = true;
-    for (const VarUse& u : variable_uses_)
-      if (first || variables[u.variable] != copy.last_variables[u.variable]) kernargs_change = true;
-    if (kernargs_change && !first) signal_.wait(copy.last_final);
     for (const Use& u : input_uses_) {
       if (!first && inputs[u.input] == copy.last_inputs[u.input]) continue;
       const NodeCommands& cmds = commands_[u.node];
@@ -232,9 +244,11 @@ class HCQGraph final : public Graph {
       if (copy_q.size()) copy_q.submit(device_);
       compute_q.submit(device_);
     }
+    copy.last_replay = replays_;
     replays_ += 1;
     copy.replays += 1;
     copy.last_final = base + nodes_.size();
+    last_replay_end_ = copy.last_final;
     if (!wait) return std::nullopt;
     device_.wait_timeline(timeline);
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -242,8 +256,40 @@ class HCQGraph final : public Graph {
 
  private:
   // The graph signal's value at the end of the last replay (0 before the first).
-  std::uint64_t last_replay_end() const noexcept {
-    return replays_ ? copies_[(replays_ - 1) % std::size(copies_)].last_final : 0;
+  std::uint64_t last_replay_end() const noexcept { return last_replay_end_; }
+
+  // Whether `copy`'s kernel arguments hold these inputs and variables already.
+  bool holds_kernargs_for(const Copy& copy, std::span<const Allocation> inputs,
+                          std::span<const std::int32_t> variables) const noexcept {
+    if (copy.replays == 0) return false;
+    for (const Use& u : input_uses_)
+      if (u.kind == Use::kernarg && !(inputs[u.input] == copy.last_inputs[u.input])) return false;
+    for (const VarUse& u : variable_uses_)
+      if (variables[u.variable] != copy.last_variables[u.variable]) return false;
+    return true;
+  }
+
+  // The copy a replay with these inputs patches (Note [HCQ graph replay]). Under the submit mutex.
+  Copy& pick_copy(std::span<const Allocation> inputs, std::span<const std::int32_t> variables) {
+    Copy* oldest = nullptr;
+    for (const auto& c : copies_) {
+      if (holds_kernargs_for(*c, inputs, variables)) return *c;
+      if (!oldest || c->replays == 0 || (oldest->replays != 0 && c->last_replay < oldest->last_replay))
+        oldest = c.get();
+    }
+    if (oldest->replays == 0 || signal_.slot().value.load(std::memory_order_acquire) >= oldest->last_final)
+      return *oldest;
+    if (copies_.size() < kMaxCopies) return add_copy();
+    try {
+      signal_.wait(oldest->last_final);
+    } catch (const Timeout& e) {
+      throw Timeout(fmt::format(TINYDEV_FMT("{}: a graph replay with new inputs waited for replay {} to finish reading "
+                                            "its kernel arguments: {} replays of this graph are queued and not "
+                                            "finished, the most it holds kernel arguments for (a stream held "
+                                            "behind an event not yet complete?): {}"),
+                                device_.name(), oldest->last_replay, kMaxCopies, e.what()));
+    }
+    return *oldest;
   }
 
   // The device name the graph's programs must have been loaded on (a stream's lane runs its
@@ -267,12 +313,15 @@ class HCQGraph final : public Graph {
 
   Device& device_;
   Signal signal_;
-  Copy copies_[2];
+  std::vector<std::size_t> kernarg_offsets_;  // per node, into a copy's kernel-argument block
+  std::size_t kernarg_bytes_ = 0;             // a copy's kernel-argument block
+  std::vector<std::unique_ptr<Copy>> copies_;  // 2 to kMaxCopies, each recorded once (Note [HCQ graph replay])
   std::vector<NodeCommands> commands_;
   std::vector<Use> input_uses_;
   std::vector<VarUse> variable_uses_;
   std::size_t epilogue_wait_ = 0, epilogue_signal_ = 0;
   std::uint64_t replays_ = 0;
+  std::uint64_t last_replay_end_ = 0;
 };
 
 }  // namespace tinydev

@@ -586,6 +586,117 @@ TEST_CASE("serving: graphs replay on a stream and a graph of the device is not t
   }, kHcqKernels);
 }
 
+TEST_CASE("serving: graph replays with new inputs on a stream held behind an event return at once and are all right once it completes",
+          "[serving]") {
+  for_each_hcq_device([](auto& dev) {
+    auto add = load_add(dev);
+    const std::size_t n = 32 + fresh_seed() % 100;
+    Signal gate = dev.alloc_signal(0);
+    auto stream = dev.create_stream();
+    Buffer t = float_buffer(dev, n);
+    const GraphValue nv = GraphValue::of(static_cast<std::int32_t>(n));
+    // out = (x + y) + y through a fixed temporary.
+    auto graph = stream->create_graph(
+        {GraphKernel{add, {GraphBuffer::of(t.allocation()), GraphBuffer::in(0), GraphBuffer::in(1)}, {nv}},
+         GraphKernel{add, {GraphBuffer::in(2), GraphBuffer::of(t.allocation()), GraphBuffer::in(1)}, {nv}}});
+    // 16 replays, each with inputs of its own, queued behind the gate. Before, on the CPU devices
+    // the third waited for the first to finish reading its kernel arguments (Note [HCQ graph
+    // replay]), and on CUDA the fifth waited for the first (a bound meant for 1024 direct calls
+    // took each stream operation's timeline signal for 256 of them): this thread waited 30 s for a
+    // gate only it would set and got a Timeout.
+    constexpr int kQueued = 16;
+    struct Request {
+      std::vector<float> x, y;
+      Buffer bx, by, out;
+    };
+    std::vector<Request> requests;
+    for (int i = 0; i <= kQueued; ++i) {
+      requests.push_back(Request{random_floats(n, fresh_seed()), random_floats(n, fresh_seed()), float_buffer(dev, n),
+                                 float_buffer(dev, n), float_buffer(dev, n)});
+      requests.back().bx.copyin(bytes_of(requests.back().x));
+      requests.back().by.copyin(bytes_of(requests.back().y));
+    }
+    dev.synchronize();  // the operands landed (the default queue is not ordered with streams)
+    stream->wait(Event(gate, 1, nullptr));  // set below, by this thread or a helper
+    std::size_t replayed = 0;
+    auto replay_new = [&] {
+      const Request& r = requests[replayed++];
+      const Buffer inputs[] = {r.bx, r.by, r.out};
+      return stream->replay(*graph, inputs);
+    };
+    const auto t0 = std::chrono::steady_clock::now();
+    Event last;
+    for (int i = 0; i < kQueued; ++i) last = replay_new();
+    CHECK(std::chrono::steady_clock::now() - t0 < 10s);
+    std::this_thread::sleep_for(20ms);
+    CHECK_FALSE(last.query());  // still behind the gate
+    // One more than the graph keeps kernel arguments for: it may wait for the oldest replay, which
+    // runs once the helper opens the gate.
+    std::thread opener([&] {
+      std::this_thread::sleep_for(100ms);
+      gate.set(1);
+    });
+    try {
+      last = replay_new();
+    } catch (...) {
+      opener.join();
+      throw;
+    }
+    opener.join();
+    last.wait(10000ms);
+    stream->synchronize();
+    for (std::size_t i = 0; i < requests.size(); ++i) {
+      INFO("replay " << i);
+      std::vector<float> back(n);
+      requests[i].out.copyout(bytes_of(back));
+      CHECK(back == add_reference(add_reference(requests[i].x, requests[i].y), requests[i].y));
+    }
+    dev.free_signal(gate);
+  }, kHcqKernels);
+}
+
+TEST_CASE("serving: launches on a stream held behind an event return at once and are all right once it completes",
+          "[serving]") {
+  for_each_hcq_device([](auto& dev) {
+    auto add = load_add(dev);
+    const std::size_t n = 32 + fresh_seed() % 100;
+    // 40 launches, out[i] = a[i] + b, queued behind the gate (stream.hpp: every operation returns
+    // at once), each with kernel arguments of its own: none may wait for an earlier one, or this
+    // thread waits 30 s for a gate only it would set.
+    constexpr int kLaunches = 40;
+    std::vector<std::vector<float>> a;
+    std::vector<Buffer> ba, outs;
+    const auto b = random_floats(n, fresh_seed());
+    Buffer bb = float_buffer(dev, n);
+    bb.copyin(bytes_of(b));
+    for (int i = 0; i < kLaunches; ++i) {
+      a.push_back(random_floats(n, fresh_seed()));
+      ba.push_back(float_buffer(dev, n));
+      ba.back().copyin(bytes_of(a.back()));
+      outs.push_back(float_buffer(dev, n));
+    }
+    dev.synchronize();  // the operands landed (the default queue is not ordered with streams)
+    Signal gate = dev.alloc_signal(0);
+    auto stream = dev.create_stream();
+    stream->wait(Event(gate, 1, nullptr));  // set below, by this thread
+    const auto t0 = std::chrono::steady_clock::now();
+    Event last;
+    for (int i = 0; i < kLaunches; ++i) last = launch_add(*stream, add, outs[i], ba[i], bb, n);
+    CHECK(std::chrono::steady_clock::now() - t0 < 10s);
+    std::this_thread::sleep_for(20ms);
+    CHECK_FALSE(last.query());  // still behind the gate
+    gate.set(1);
+    last.wait(10000ms);
+    for (int i = 0; i < kLaunches; ++i) {
+      INFO("launch " << i);
+      std::vector<float> back(n);
+      outs[i].copyout(bytes_of(back));
+      CHECK(back == add_reference(a[i], b));
+    }
+    dev.free_signal(gate);
+  }, kHcqKernels);
+}
+
 TEST_CASE("serving: a failed stream recovers without touching the device and replays its graph again",
           "[serving]") {
   for_each_hcq_device([](auto& dev) {
