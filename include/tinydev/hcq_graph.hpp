@@ -7,8 +7,9 @@
 // compute queue starts by waiting for the device timeline (work submitted before the replay) and
 // ends by signalling it. A replay patches one copy in place: the signal values (every replay uses
 // fresh ones), the kernel-argument slots of inputs and variables that differ from what that copy
-// last ran with, and the copy commands whose inputs differ; then it submits both queues (a submit
-// snapshots the commands, so patching a queue whose last run has not ended is safe). Kernel
+// last ran with, and the copy commands whose inputs differ; then it submits both queues, the compute
+// queue first (submit_both says why; a submit snapshots the commands, so patching a queue whose
+// last run has not ended is safe). Kernel
 // arguments, though, are read by the kernels when they run: a copy's are only rewritten once the
 // replay that last used them finished. So a replay takes, in this order: a copy whose kernel
 // arguments already hold this replay's inputs and variables (nothing to rewrite; it may still
@@ -240,10 +241,7 @@ class HCQGraph final : public Graph {
     if constexpr (requires(Device& d) { d.run_inline_if_idle(compute_q, copy_q, timeline - 1, lock); }) {
       if (wait) ran_inline = device_.run_inline_if_idle(compute_q, copy_q, timeline - 1, lock);
     }
-    if (!ran_inline) {
-      if (copy_q.size()) copy_q.submit(device_);
-      compute_q.submit(device_);
-    }
+    if (!ran_inline) submit_both(compute_q, copy_q, timeline);
     copy.last_replay = replays_;
     replays_ += 1;
     copy.replays += 1;
@@ -257,6 +255,32 @@ class HCQGraph final : public Graph {
  private:
   // The graph signal's value at the end of the last replay (0 before the first).
   std::uint64_t last_replay_end() const noexcept { return last_replay_end_; }
+
+  // Submits a replay's two queues, the compute queue first: if its submit throws, nothing of the
+  // replay went in, and the taken timeline value is completed empty (Note [Timeline reservations])
+  // so later work does not wait for it. If the copy queue's then throws, the compute queue is in,
+  // waiting for graph-signal values only the copy queue would write: the graph's signal is
+  // poisoned, so it fails at that wait (poisoning the timeline value it would signal: the device
+  // faults, and recover() drains it) instead of waiting for good. Either way the caller gets the
+  // submit's error. (Submitting the copy queue first would leave a queued copy waiting on the
+  // graph's signal with no fault to drain it, run later with stale inputs once a new replay
+  // reuses those signal values.)
+  void submit_both(ComputeQueue& compute_q, CopyQueue& copy_q, std::uint64_t timeline) {
+    try {
+      compute_q.submit(device_);
+    } catch (...) {
+      device_.abandon_timeline_value(timeline);
+      throw;
+    }
+    if (!copy_q.size()) return;
+    try {
+      copy_q.submit(device_);
+    } catch (const std::exception& e) {
+      signal_.poison(fmt::format(TINYDEV_FMT("{}: a graph replay's copy queue could not be submitted: {}"),
+                                 device_.name(), e.what()));
+      throw;
+    }
+  }
 
   // Whether `copy`'s kernel arguments hold these inputs and variables already.
   bool holds_kernargs_for(const Copy& copy, std::span<const Allocation> inputs,
