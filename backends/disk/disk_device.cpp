@@ -309,6 +309,7 @@ thread_local sigjmp_buf* volatile t_guard = nullptr;
 thread_local const std::byte* volatile t_guard_begin = nullptr;
 thread_local const std::byte* volatile t_guard_end = nullptr;
 thread_local volatile int t_guard_code = 0;  // the si_code of the SIGBUS that ended a guarded copy
+thread_local const std::byte* volatile t_guard_fault = nullptr;  // and the address it faulted at
 struct sigaction g_previous_sigbus;
 
 void on_sigbus(int sig, siginfo_t* info, void* context) {
@@ -317,6 +318,7 @@ void on_sigbus(int sig, siginfo_t* info, void* context) {
   if (guard && info && info->si_code > 0 && address >= t_guard_begin && address < t_guard_end) {
     t_guard = nullptr;
     t_guard_code = info->si_code;
+    t_guard_fault = address;
     siglongjmp(*guard, 1);
   }
   detail::pass_signal_on(g_previous_sigbus, sig, info, context);  // not ours
@@ -593,12 +595,28 @@ class DiskAllocator final : public Allocator, public FileReader {
   FileReader* file_reader() noexcept override { return this; }
 
   // ---- FileReader ----
-  // The error of a guarded copy that ended in SIGBUS (Note [Copies from the mapping]).
-  IoError shrank(std::uint64_t offset, std::uint64_t size) const {
+  // The error of a guarded copy that ended in SIGBUS (Note [Copies from the mapping]). The kernel
+  // reports a read past a truncated end and a failed read of the page (a failing disk, a network
+  // file system gone) alike, as BUS_ADRERR: reading the faulting byte with pread tells them apart
+  // (EIO there is an I/O error; end of file, or the byte now there, a file that shrank, perhaps
+  // rewritten since).
+  IoError shrank(const FileFds& fds, std::uint64_t offset, std::uint64_t size) const {
     if (t_guard_code != BUS_ADRERR)
       return IoError(fmt::format("{}: a memory or I/O error (SIGBUS code {}) while bytes {} to {} were copied from "
                                  "the file's mapping",
                                  file_.device(), static_cast<int>(t_guard_code), offset, offset + size));
+    const std::byte* fault = t_guard_fault;
+    if (fault >= fds.map && fault < fds.map + fds.map_bytes) {
+      const auto at = static_cast<off_t>(fault - fds.map);
+      std::byte byte;
+      ssize_t r;
+      do r = ::pread(fds.fd, &byte, 1, at);
+      while (r < 0 && errno == EINTR);
+      if (r < 0)
+        return IoError(fmt::format("{}: an I/O error while bytes {} to {} were copied from the file's mapping: byte {} "
+                                   "cannot be read ({}; a failing disk, or a network file system that went away?)",
+                                   file_.device(), offset, offset + size, at, std::strerror(errno)));
+    }
     return IoError(fmt::format("{}: the file shrank while bytes {} to {} were copied from it (another process "
                                "truncated it?)",
                                file_.device(), offset, offset + size));
@@ -625,7 +643,7 @@ class DiskAllocator final : public Allocator, public FileReader {
           while (run_end < end && run_end - pos < (1u << 30) &&
                  resident(fds, run_end, static_cast<std::size_t>(std::min<std::uint64_t>(kChunk, end - run_end))))
             run_end = std::min<std::uint64_t>(run_end + kChunk, end);
-          if (!guarded_copy(r.dest, fds.map + pos, run_end - pos)) throw shrank(pos, run_end - pos);
+          if (!guarded_copy(r.dest, fds.map + pos, run_end - pos)) throw shrank(fds, pos, run_end - pos);
           pos = run_end;
           continue;
         }
@@ -677,7 +695,7 @@ class DiskAllocator final : public Allocator, public FileReader {
           ReadRequest r{s->data, pos, static_cast<std::size_t>(length), static_cast<std::size_t>(lead + useful)};
           if (resident(fds, pos + lead, useful)) {  // Note [Copies from the mapping]: no read at all
             try {
-              if (!guarded_copy(s->data + lead, fds.map + pos + lead, useful)) throw shrank(pos + lead, useful);
+              if (!guarded_copy(s->data + lead, fds.map + pos + lead, useful)) throw shrank(fds, pos + lead, useful);
               pos += length;
               sink.landed(*s, static_cast<std::size_t>(pos - length + lead - begin), static_cast<std::size_t>(lead),
                           static_cast<std::size_t>(useful));
