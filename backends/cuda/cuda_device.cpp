@@ -371,46 +371,20 @@ struct CudaHCQDevice::HostCopies {
   std::deque<Record> records;
   std::size_t captured_bytes = 0;  // the records' captures' sizes, summed (Note [CUDA copyin captures])
   // Captures whose copies ran, kept for the next copyins (pages already faulted in) while they and
-  // the queued ones stay within kMaxCapturedBytes; unmapped when the lane goes back.
-  std::vector<CaptureBlock> spare_captures;
-  std::size_t spare_bytes = 0;
+  // the queued ones stay within kMaxCapturedBytes (Note [Spare captures] in tinydev/hcq_stream.hpp);
+  // unmapped when the lane goes back.
+  detail::SpareCaptures<CaptureBlock> spare_captures;
 
-  // A block of at least `bytes`: the smallest spare one that fits, is at most twice the size a
-  // new one would have (a small copyin does not tie up, and count, a large block) and keeps the
-  // queued captures within the budget; else a new one, after unmapping spares, oldest first, until
-  // the queued captures, the spares and it fit the budget (spares of sizes no copyin asks for any
-  // more do not stay for the life of the stream).
+  // A block of at least `bytes`: a spare one (Note [Spare captures]), else a new one.
   CaptureBlock take_capture(std::size_t bytes, std::string_view what) {
-    const std::size_t wanted = CaptureBlock::rounded(bytes);
-    const std::size_t budget = std::max(kMaxCapturedBytes, wanted);
-    auto best = spare_captures.end();
-    for (auto it = spare_captures.begin(); it != spare_captures.end(); ++it)
-      if (it->size() >= wanted && it->size() <= 2 * wanted && captured_bytes + it->size() <= budget &&
-          (best == spare_captures.end() || it->size() < best->size()))
-        best = it;
-    if (best != spare_captures.end()) {
-      CaptureBlock block = std::move(*best);
-      spare_captures.erase(best);
-      spare_bytes -= block.size();
-      return block;
-    }
-    std::size_t dropped = 0;
-    while (dropped < spare_captures.size() && captured_bytes + spare_bytes + wanted > budget)
-      spare_bytes -= spare_captures[dropped++].size();
-    spare_captures.erase(spare_captures.begin(), spare_captures.begin() + static_cast<std::ptrdiff_t>(dropped));
+    if (auto spare = spare_captures.take(CaptureBlock::rounded(bytes), captured_bytes, kMaxCapturedBytes))
+      return std::move(*spare);
     return CaptureBlock(bytes, what);
   }
   // Unmaps every spare capture (the lane goes back, or a spare of it is not wanted).
-  void drop_spare_captures() noexcept {
-    spare_captures.clear();
-    spare_bytes = 0;
-  }
+  void drop_spare_captures() noexcept { spare_captures.clear(); }
   // A record's capture, its copy done: kept if it fits the lane's budget, else unmapped.
-  void keep_capture(CaptureBlock block) {
-    if (!block.data() || captured_bytes + spare_bytes + block.size() > kMaxCapturedBytes) return;
-    spare_bytes += block.size();
-    spare_captures.push_back(std::move(block));
-  }
+  void keep_capture(CaptureBlock block) noexcept { spare_captures.keep(std::move(block), captured_bytes, kMaxCapturedBytes); }
 };
 
 // ---- programs ---------------------------------------------------------------------------------

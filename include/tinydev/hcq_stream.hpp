@@ -24,6 +24,7 @@
 #include <cstddef>
 #include <cstring>
 #include <deque>
+#include <optional>
 #include <span>
 #include <variant>
 #include <memory>
@@ -44,6 +45,68 @@
 TINYDEV_API_BEGIN
 
 namespace tinydev {
+
+namespace detail {
+
+// Note [Spare captures]
+// A stream's copyin that cannot run at once captures its bytes in memory of the stream's until its
+// queued copy ran (Note [CPU stream copyin captures], Note [CUDA copyin captures]). Fresh memory
+// costs its page faults at every copyin (a fresh MiB costs milliseconds on a VM), so captures
+// whose copies ran are kept as spares for the next copyins, within the budget the queued captures
+// share with them: take() hands out the smallest spare that fits, is at most twice the size a
+// new block would have (a small copyin does not tie up, and count, a large block) and keeps the
+// queued captures within the budget; else it unmaps spares, oldest first, until the queued
+// captures, the spares and a new block fit (spares of sizes no copyin asks for any more do not
+// stay for the life of the stream), and the caller makes the new block. `Block` is movable, has
+// size() (its bytes) and frees its memory when destroyed. Thread safety: none (the stream's lock).
+template <class Block>
+class SpareCaptures {
+ public:
+  // A spare for a new block of `wanted` bytes while `queued` bytes of captures are queued, or
+  // nullopt after making room for a new one. `budget` is the most queued + spares may hold; one
+  // block larger than it is allowed alone.
+  std::optional<Block> take(std::size_t wanted, std::size_t queued, std::size_t budget) {
+    budget = std::max(budget, wanted);
+    auto best = spares_.end();
+    for (auto it = spares_.begin(); it != spares_.end(); ++it)
+      if (it->size() >= wanted && it->size() <= 2 * wanted && queued + it->size() <= budget &&
+          (best == spares_.end() || it->size() < best->size()))
+        best = it;
+    if (best != spares_.end()) {
+      std::optional<Block> block(std::move(*best));
+      spares_.erase(best);
+      bytes_ -= block->size();
+      return block;
+    }
+    std::size_t dropped = 0;
+    while (dropped < spares_.size() && queued + bytes_ + wanted > budget) bytes_ -= spares_[dropped++].size();
+    spares_.erase(spares_.begin(), spares_.begin() + static_cast<std::ptrdiff_t>(dropped));
+    return std::nullopt;
+  }
+  // A capture whose copy ran: kept if `queued` + the spares + it stay within `budget`, else freed
+  // (and freed too when keeping it would need memory there is none of).
+  void keep(Block&& block, std::size_t queued, std::size_t budget) noexcept {
+    const std::size_t size = block.size();
+    if (size == 0 || queued + bytes_ + size > budget) return;
+    try {
+      spares_.push_back(std::move(block));
+      bytes_ += size;
+    } catch (const std::bad_alloc&) {  // push_back left the block as it was: the caller frees it
+    }
+  }
+  // Frees every spare.
+  void clear() noexcept {
+    spares_.clear();
+    bytes_ = 0;
+  }
+  std::size_t bytes() const noexcept { return bytes_; }
+
+ private:
+  std::vector<Block> spares_;  // oldest first
+  std::size_t bytes_ = 0;      // their sizes, summed
+};
+
+}  // namespace detail
 
 // A device's stream lanes: made on first use, kept when their stream is dropped and handed to the
 // next one; at most `max` alive at once. A lane dropped with work that did not finish in time is
@@ -309,6 +372,12 @@ class HCQLaneStream : public Stream {
     std::unique_ptr<std::byte[]> capture{};  // a queued copyin's bytes (Note [CPU stream copyin captures])
     std::size_t capture_bytes = 0;
   };
+  // A capture's memory on the heap (Note [Spare captures]).
+  struct HeapCapture {
+    std::unique_ptr<std::byte[]> data;
+    std::size_t bytes = 0;
+    std::size_t size() const noexcept { return bytes; }
+  };
 
   // Note [CPU stream copyin captures]
   // A copyin returns once the caller's bytes are read (stream.hpp). On a busy CPU lane they go
@@ -492,35 +561,14 @@ class HCQLaneStream : public Stream {
       release_finished();
     }
   }
-  // A block of at least `bytes`: the smallest spare one that fits and is at most twice as large,
-  // else a new one (spares unmapped, oldest first, until the queued captures, the spares and it fit
-  // the budget).
+  // A block of at least `bytes` (Note [Spare captures]).
   std::unique_ptr<std::byte[]> take_capture(std::size_t bytes) {
-    auto best = spare_captures_.end();
-    for (auto it = spare_captures_.begin(); it != spare_captures_.end(); ++it)
-      if (it->second >= bytes && it->second <= 2 * bytes && (best == spare_captures_.end() || it->second < best->second))
-        best = it;
-    if (best != spare_captures_.end()) {
-      std::unique_ptr<std::byte[]> block = std::move(best->first);
-      spare_bytes_ -= best->second;
-      spare_captures_.erase(best);
-      return block;
-    }
-    const std::size_t budget = std::max(kMaxCapturedBytes, bytes), queued = queued_capture_bytes();
-    std::size_t dropped = 0;
-    while (dropped < spare_captures_.size() && queued + spare_bytes_ + bytes > budget)
-      spare_bytes_ -= spare_captures_[dropped++].second;
-    spare_captures_.erase(spare_captures_.begin(), spare_captures_.begin() + static_cast<std::ptrdiff_t>(dropped));
+    if (auto spare = spare_captures_.take(bytes, queued_capture_bytes(), kMaxCapturedBytes)) return std::move(spare->data);
     return std::make_unique_for_overwrite<std::byte[]>(bytes);
   }
   // A capture whose copy ran: kept for the next copyins if it fits the budget, else freed.
   void keep_capture(std::unique_ptr<std::byte[]> block, std::size_t bytes) noexcept {
-    if (queued_capture_bytes() + spare_bytes_ + bytes > kMaxCapturedBytes) return;
-    try {
-      spare_captures_.emplace_back(std::move(block), bytes);
-      spare_bytes_ += bytes;
-    } catch (const std::bad_alloc&) {  // the block is freed instead of kept
-    }
+    spare_captures_.keep(HeapCapture{std::move(block), bytes}, queued_capture_bytes(), kMaxCapturedBytes);
   }
   // Drops the event waits that passed (the caller may then run work on itself, ordered by
   // nothing). A wait whose signal reached its value only after a poison did not pass (Note [Events
@@ -563,9 +611,8 @@ class HCQLaneStream : public Stream {
   // The lane's submit mutex serializes this stream's operations and guards these two.
   std::vector<std::pair<Signal, std::uint64_t>> waits_;  // events to wait for in the next submission
   std::deque<Held> held_;
-  // Note [CPU stream copyin captures]: blocks whose copies ran, with their sizes, oldest first.
-  std::vector<std::pair<std::unique_ptr<std::byte[]>, std::size_t>> spare_captures_;
-  std::size_t spare_bytes_ = 0;
+  // Note [CPU stream copyin captures]: blocks whose copies ran (Note [Spare captures]).
+  detail::SpareCaptures<HeapCapture> spare_captures_;
   std::size_t queued_capture_bytes_ = 0;  // the held_ entries' capture_bytes, summed
 };
 
