@@ -1,4 +1,7 @@
 #include "support.hpp"
+#include <utility>
+
+#include "tinydev/hcq_stream.hpp"
 
 using namespace tinydev;
 using namespace tinydev::testing;
@@ -193,4 +196,70 @@ TEST_CASE("memory: the streaming copy is byte-exact at every alignment and size 
         CHECK(std::all_of(dest.begin(), dest.begin() + dest_off, [](std::byte b) { return b == std::byte{0xAB}; }));
         CHECK(std::all_of(dest.begin() + dest_off + size, dest.end(), [](std::byte b) { return b == std::byte{0xAB}; }));
       }
+}
+
+// Note [Spare captures]: the policy CPU and CUDA streams share for reusing copyin captures.
+namespace {
+struct CountedBlock {
+  std::size_t bytes = 0;
+  int* alive = nullptr;  // counts blocks not yet freed
+  CountedBlock(std::size_t b, int* a) : bytes(b), alive(a) { ++*alive; }
+  CountedBlock(CountedBlock&& o) noexcept : bytes(std::exchange(o.bytes, 0)), alive(std::exchange(o.alive, nullptr)) {}
+  CountedBlock& operator=(CountedBlock&& o) noexcept {
+    if (this != &o) {
+      if (alive) --*alive;
+      bytes = std::exchange(o.bytes, 0);
+      alive = std::exchange(o.alive, nullptr);
+    }
+    return *this;
+  }
+  ~CountedBlock() {
+    if (alive) --*alive;
+  }
+  std::size_t size() const noexcept { return bytes; }
+};
+}  // namespace
+
+TEST_CASE("spare captures: the smallest spare within twice the size and the budget is reused and the oldest are freed first",
+          "[allocator]") {
+  const std::size_t u = 4096 + fresh_seed() % 4096, budget = 64 * u;
+  int alive = 0;
+  detail::SpareCaptures<CountedBlock> spares;
+  spares.keep(CountedBlock(8 * u, &alive), 0, budget);  // oldest
+  spares.keep(CountedBlock(3 * u, &alive), 0, budget);
+  spares.keep(CountedBlock(5 * u, &alive), 0, budget);
+  CHECK(spares.bytes() == 16 * u);
+  CHECK(alive == 3);
+  // The smallest that fits: 5 units for 4 (8 fits too but is larger, 3 is too small).
+  auto a = spares.take(4 * u, 0, budget);
+  REQUIRE(a.has_value());
+  CHECK(a->size() == 5 * u);
+  auto b = spares.take(2 * u, 0, budget);
+  REQUIRE(b.has_value());
+  CHECK(b->size() == 3 * u);
+  CHECK(spares.bytes() == 8 * u);
+  // 8 units are more than twice 3: none is taken, and with room in the budget none is freed.
+  CHECK_FALSE(spares.take(3 * u, 0, budget).has_value());
+  CHECK(spares.bytes() == 8 * u);
+  CHECK(alive == 3);
+  // A spare that fits in size but not beside what is queued is not taken; spares are freed until
+  // the queued bytes, the spares and a new block fit.
+  CHECK_FALSE(spares.take(8 * u, 57 * u, budget).has_value());
+  CHECK(spares.bytes() == 0);
+  CHECK(alive == 2);
+  // Kept only within the budget beside the queued bytes; otherwise freed at once.
+  spares.keep(CountedBlock(10 * u, &alive), 60 * u, budget);
+  CHECK(spares.bytes() == 0);
+  CHECK(alive == 2);
+  spares.keep(std::move(*a), 0, budget);
+  spares.keep(std::move(*b), 0, budget);
+  CHECK(spares.bytes() == 8 * u);
+  // One block larger than the budget is allowed alone.
+  CHECK_FALSE(spares.take(100 * u, 0, budget).has_value());
+  CHECK(spares.bytes() == 0);  // the spares made room for it
+  CHECK(alive == 0);
+  spares.keep(CountedBlock(2 * u, &alive), 0, budget);
+  spares.clear();
+  CHECK(alive == 0);
+  CHECK(spares.bytes() == 0);
 }
