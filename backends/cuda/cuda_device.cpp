@@ -1810,18 +1810,22 @@ void CudaHCQDevice::signal_lazy_work(std::uint64_t value) {
   // The compute stream's order puts this after every direct call made since the last value.
   const CudaCommand command = CudaSignalPrimitives::signal(timeline_signal(), value);
   lazy_calls_ = 0;
-  // At most lazy_marks_.size() x kLazySignalEvery direct calls in flight: once that many were
-  // made since the oldest of the last few lazy signals, wait for it (a GPU far behind blocks the
-  // caller here, not inside the driver). Counted in calls, not signals: a stream signals after
-  // every operation (HCQLaneStream::finish), and waiting for the fourth last of those would block
-  // a stream's fifth launch or replay queued behind an event not yet complete, which must return
-  // at once (tinydev/stream.hpp); signals that frequent are bounded by the timeline's own depth
-  // (Note [CUDA queue depth]).
-  LazyMark& oldest = lazy_marks_[lazy_mark_next_];
-  if (oldest.value && lazy_calls_total_ - oldest.calls >= lazy_marks_.size() * kLazySignalEvery)
-    wait_timeline_reached(oldest.value);
-  oldest = LazyMark{value, lazy_calls_total_};
-  lazy_mark_next_ = (lazy_mark_next_ + 1) % lazy_marks_.size();
+  // About lazy_marks_.size() x kLazySignalEvery direct calls in flight at most (a GPU far behind
+  // blocks the caller here, not inside the driver): the marks are lazy signals at least
+  // kLazySignalEvery calls apart, and a new one first waits for the oldest, made at least that
+  // many calls ago. Counted in calls, not signals: lazy work is also signalled whenever something
+  // takes a timeline value (a stream after every operation, HCQLaneStream::finish), and waiting
+  // for the fourth last of those signals would block a stream's fifth graph replay queued behind
+  // an event not yet complete, which must return at once (tinydev/stream.hpp); signals that
+  // frequent are bounded by the timeline's own depth (Note [CUDA queue depth]).
+  const std::size_t marks = lazy_marks_.size();
+  const LazyMark& newest = lazy_marks_[(lazy_mark_next_ + marks - 1) % marks];
+  if (newest.value == 0 || lazy_calls_total_ - newest.calls >= kLazySignalEvery) {
+    LazyMark& oldest = lazy_marks_[lazy_mark_next_];
+    if (oldest.value && lazy_calls_total_ - oldest.calls >= marks * kLazySignalEvery) wait_timeline_reached(oldest.value);
+    oldest = LazyMark{value, lazy_calls_total_};
+    lazy_mark_next_ = (lazy_mark_next_ + 1) % marks;
+  }
   submit_commands(CudaLane::compute, std::span(&command, 1));
   last_signal_on_compute_ = true;
 }

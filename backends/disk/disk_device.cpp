@@ -612,10 +612,15 @@ class DiskAllocator final : public Allocator, public FileReader {
       ssize_t r;
       do r = ::pread(fds.fd, &byte, 1, at);
       while (r < 0 && errno == EINTR);
-      if (r < 0)
+      const int error = r < 0 ? errno : 0;
+      if (error == EIO)
         return IoError(fmt::format("{}: an I/O error while bytes {} to {} were copied from the file's mapping: byte {} "
                                    "cannot be read ({}; a failing disk, or a network file system that went away?)",
-                                   file_.device(), offset, offset + size, at, std::strerror(errno)));
+                                   file_.device(), offset, offset + size, at, std::strerror(error)));
+      if (error != 0)
+        return IoError(fmt::format("{}: a read of bytes {} to {} from the file's mapping failed at byte {}, and "
+                                   "reading that byte again failed too: {}",
+                                   file_.device(), offset, offset + size, at, std::strerror(error)));
     }
     return IoError(fmt::format("{}: the file shrank while bytes {} to {} were copied from it (another process "
                                "truncated it?)",

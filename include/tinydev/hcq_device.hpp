@@ -259,6 +259,12 @@ class HCQCompiled : public Compiled {
     }
   }
 
+  // Faults the device with `reason`, as a failed queue would (fault(), and DeviceFault from every
+  // entry point until recover(), which first waits for the queues to drain): for work that went
+  // in part-way and can only fail, such as a graph replay whose second queue could not be
+  // submitted after its first was. The first reason stays.
+  void fault_device(std::string_view reason) const noexcept { poison_own_timeline(reason); }
+
   // Whether this process opened the device (false in a forked child: Note [Devices and fork]).
   bool opened_in_this_process() const noexcept { return detail::fork_generation() == fork_generation_; }
   // Throws ForkedDevice in a forked child (Note [Devices and fork]) and DeviceFault once the

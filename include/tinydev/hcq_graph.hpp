@@ -241,12 +241,15 @@ class HCQGraph final : public Graph {
     if constexpr (requires(Device& d) { d.run_inline_if_idle(compute_q, copy_q, timeline - 1, lock); }) {
       if (wait) ran_inline = device_.run_inline_if_idle(compute_q, copy_q, timeline - 1, lock);
     }
-    if (!ran_inline) submit_both(compute_q, copy_q, timeline);
-    copy.last_replay = replays_;
-    replays_ += 1;
-    copy.replays += 1;
-    copy.last_final = base + nodes_.size();
-    last_replay_end_ = copy.last_final;
+    const auto spend_values = [&] {  // this replay's graph-signal values are used up
+      copy.last_replay = replays_;
+      replays_ += 1;
+      copy.replays += 1;
+      copy.last_final = base + nodes_.size();
+      last_replay_end_ = copy.last_final;
+    };
+    if (!ran_inline) submit_both(compute_q, copy_q, timeline, spend_values);
+    spend_values();
     if (!wait) return std::nullopt;
     device_.wait_timeline(timeline);
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -259,13 +262,15 @@ class HCQGraph final : public Graph {
   // Submits a replay's two queues, the compute queue first: if its submit throws, nothing of the
   // replay went in, and the taken timeline value is completed empty (Note [Timeline reservations])
   // so later work does not wait for it. If the copy queue's then throws, the compute queue is in,
-  // waiting for graph-signal values only the copy queue would write: the graph's signal is
-  // poisoned, so it fails at that wait (poisoning the timeline value it would signal: the device
-  // faults, and recover() drains it) instead of waiting for good. Either way the caller gets the
-  // submit's error. (Submitting the copy queue first would leave a queued copy waiting on the
-  // graph's signal with no fault to drain it, run later with stale inputs once a new replay
-  // reuses those signal values.)
-  void submit_both(ComputeQueue& compute_q, CopyQueue& copy_q, std::uint64_t timeline) {
+  // waiting for graph-signal values only the copy queue would write: the device is faulted (a
+  // DeviceFault for every call until recover(), which waits for its queues to drain) and the
+  // graph's signal poisoned, so that queue fails at that wait instead of waiting for good, as does
+  // the device's other queued work, as after any queue failure; the replay's signal values are
+  // spent (`spend_values`), so none is used again after the recovery. Either way the caller gets
+  // the submit's error. (Submitting the copy queue first would leave a queued copy waiting on the
+  // graph's signal and no fault to drain it.)
+  template <class SpendValues>
+  void submit_both(ComputeQueue& compute_q, CopyQueue& copy_q, std::uint64_t timeline, SpendValues& spend_values) {
     try {
       compute_q.submit(device_);
     } catch (...) {
@@ -275,9 +280,20 @@ class HCQGraph final : public Graph {
     if (!copy_q.size()) return;
     try {
       copy_q.submit(device_);
-    } catch (const std::exception& e) {
-      signal_.poison(fmt::format(TINYDEV_FMT("{}: a graph replay's copy queue could not be submitted: {}"),
-                                 device_.name(), e.what()));
+    } catch (...) {
+      std::string why = "an unknown exception";
+      try {
+        throw;
+      } catch (const std::exception& e) {
+        why = e.what();
+      } catch (...) {
+      }
+      const std::string reason = fmt::format(
+          TINYDEV_FMT("{}: a graph replay's copy queue could not be submitted after its compute queue was: {}"),
+          device_.name(), why);
+      spend_values();
+      device_.fault_device(reason);
+      signal_.poison(reason);
       throw;
     }
   }

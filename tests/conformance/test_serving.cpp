@@ -76,6 +76,18 @@ Event launch_add(Stream& stream, const std::shared_ptr<Program>& add, const Buff
   return stream.launch(add, args, values);
 }
 
+// Opens `gate` (sets it to 1) when it goes out of scope: a test that fails before it opens the
+// gate leaves no queued work waiting for it for good (nor a graph's destructor for 30 s).
+struct OpenGateAtExit {
+  const Signal& gate;
+  ~OpenGateAtExit() {
+    try {
+      gate.set(1);
+    } catch (...) {  // freed by the test already
+    }
+  }
+};
+
 // Copies all of `src` into `dest` on the copy queue as reservation `r`'s work, and spends it.
 template <class Dev, class Reservation>
 void submit_reserved_copy(Dev& dev, Reservation& r, const Buffer& dest, const Buffer& src) {
@@ -599,6 +611,7 @@ TEST_CASE("serving: graph replays with new inputs on a stream held behind an eve
     auto graph = stream->create_graph(
         {GraphKernel{add, {GraphBuffer::of(t.allocation()), GraphBuffer::in(0), GraphBuffer::in(1)}, {nv}},
          GraphKernel{add, {GraphBuffer::in(2), GraphBuffer::of(t.allocation()), GraphBuffer::in(1)}, {nv}}});
+    const OpenGateAtExit open_gate{gate};  // before the graph and the stream go, if a check throws
     // 16 replays, each with inputs of its own, queued behind the gate. Before, on the CPU devices
     // the third waited for the first to finish reading its kernel arguments (Note [HCQ graph
     // replay]), and on CUDA the fifth waited for the first (a bound meant for 1024 direct calls
@@ -678,6 +691,7 @@ TEST_CASE("serving: launches on a stream held behind an event return at once and
     dev.synchronize();  // the operands landed (the default queue is not ordered with streams)
     Signal gate = dev.alloc_signal(0);
     auto stream = dev.create_stream();
+    const OpenGateAtExit open_gate{gate};  // before the stream goes, if a check throws
     stream->wait(Event(gate, 1, nullptr));  // set below, by this thread
     const auto t0 = std::chrono::steady_clock::now();
     Event last;
