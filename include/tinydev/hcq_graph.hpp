@@ -133,18 +133,17 @@ class HCQGraph final : public Graph {
   Copy& add_copy() {
     auto copy = std::make_unique<Copy>();
     copy->kernargs_block = device_.allocate_kernargs_block(kernarg_bytes_);
-    record(*copy, /*note_layout=*/copies_.empty());
+    record(*copy);
     copies_.push_back(std::move(copy));  // capacity reserved in the constructor: no throw
     return *copies_.back();
   }
 
-  void record(Copy& copy, bool note_layout) {
+  void record(Copy& copy) {
     Device& device = device_;
     std::lock_guard lock(device.submit_mutex());
     ProfileGraphScope graph_scope(id());  // the execs recorded here are this graph's in the trace
     // The node layout (uses, command indices) is the same in every copy: note it once.
-    const bool first_copy = note_layout;
-    const std::vector<std::size_t>& offsets = kernarg_offsets_;
+    const bool first_copy = copies_.empty();
     ComputeQueue& compute_q = copy.compute;
     CopyQueue& copy_q = copy.copy;
     compute_q.wait(device.timeline_signal(), 0).signal(signal_, 0);
@@ -152,7 +151,7 @@ class HCQGraph final : public Graph {
       NodeCommands cmds;
       if (auto* k = std::get_if<GraphKernel>(&nodes_[i])) {
         const auto* program = static_cast<const ProgramT*>(k->program.get());  // checked above
-        Kernargs args{copy.kernargs_block.get() + offsets[i], static_cast<std::uint32_t>(k->buffers.size()),
+        Kernargs args{copy.kernargs_block.get() + kernarg_offsets_[i], static_cast<std::uint32_t>(k->buffers.size()),
                       static_cast<std::uint32_t>(k->values.size())};
         copy.kernargs.push_back(args);
         for (std::size_t j = 0; j < k->buffers.size(); ++j) {

@@ -365,18 +365,17 @@ class HCQLaneStream : public Stream {
   }
 
  protected:
+  // A capture's memory on the heap (Note [Spare captures]); empty: size() 0.
+  struct HeapCapture {
+    std::unique_ptr<std::byte[]> data;
+    std::size_t bytes = 0;  // what it holds, and what the budget counts (a reused block may be up to twice that)
+    std::size_t size() const noexcept { return bytes; }
+  };
   struct Held {
     std::uint64_t value;
     std::vector<Buffer> buffers;
     std::shared_ptr<Program> program;
-    std::unique_ptr<std::byte[]> capture{};  // a queued copyin's bytes (Note [CPU stream copyin captures])
-    std::size_t capture_bytes = 0;
-  };
-  // A capture's memory on the heap (Note [Spare captures]).
-  struct HeapCapture {
-    std::unique_ptr<std::byte[]> data;
-    std::size_t bytes = 0;
-    std::size_t size() const noexcept { return bytes; }
+    HeapCapture capture{};  // a queued copyin's bytes (Note [CPU stream copyin captures])
   };
 
   // Note [CPU stream copyin captures]
@@ -398,14 +397,14 @@ class HCQLaneStream : public Stream {
   Event copyin_captured(const Buffer& dest, std::span<const std::byte> src) {
     const std::size_t n = src.size();
     make_room_for_capture(n);
-    std::unique_ptr<std::byte[]> capture = take_capture(n);
-    std::memcpy(capture.get(), src.data(), n);
+    HeapCapture capture = take_capture(n);
+    std::memcpy(capture.data.get(), src.data(), n);
     auto reservation = lane_.reserve_timeline_value();
     const std::uint64_t value = reservation.value();
     auto q = lane_.copy_queue();
     q.wait(lane_.timeline_signal(), value - 1);
     for (const auto& [signal, wanted] : waits_) q.wait(signal, wanted);
-    q.copy(dest.allocation(), Allocation{reinterpret_cast<std::uintptr_t>(capture.get()), n, nullptr}, n);
+    q.copy(dest.allocation(), Allocation{reinterpret_cast<std::uintptr_t>(capture.data.get()), n, nullptr}, n);
     q.signal(lane_.timeline_signal(), value);
     q.submit(lane_);
     waits_.clear();
@@ -414,15 +413,14 @@ class HCQLaneStream : public Stream {
     try {
       done = finish(std::span(&dest, 1), nullptr);
     } catch (...) {
-      (void)capture.release();  // out of memory holding it: leaked, never freed under the copy
+      (void)capture.data.release();  // out of memory holding it: leaked, never freed under the copy
       throw;
     }
     if (!held_.empty() && held_.back().value == value) {
       held_.back().capture = std::move(capture);
-      held_.back().capture_bytes = n;
       queued_capture_bytes_ += n;
     } else {
-      keep_capture(std::move(capture), n);  // copied already
+      keep_capture(std::move(capture));  // copied already
     }
     return done;
   }
@@ -533,10 +531,9 @@ class HCQLaneStream : public Stream {
     const std::uint64_t reached = lane_.timeline_signal().value();
     while (!held_.empty() && held_.front().value <= reached) {
       Held& h = held_.front();
-      if (h.capture) {
-        const std::size_t bytes = std::exchange(h.capture_bytes, 0);
-        queued_capture_bytes_ -= bytes;  // before keep_capture, which counts it as a spare
-        keep_capture(std::move(h.capture), bytes);
+      if (h.capture.size()) {
+        queued_capture_bytes_ -= h.capture.size();  // before keep_capture, which counts it as a spare
+        keep_capture(std::move(h.capture));
       }
       held_.pop_front();
     }
@@ -548,7 +545,7 @@ class HCQLaneStream : public Stream {
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
     for (std::size_t queued = queued_capture_bytes(); queued > 0 && queued + bytes > kMaxCapturedBytes;
          queued = queued_capture_bytes()) {
-      const auto earliest = std::find_if(held_.begin(), held_.end(), [](const Held& h) { return h.capture_bytes > 0; });
+      const auto earliest = std::find_if(held_.begin(), held_.end(), [](const Held& h) { return h.capture.size() > 0; });
       const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
       try {
         lane_.wait_timeline_reached(earliest->value, std::max(left, std::chrono::milliseconds(1)));
@@ -561,14 +558,15 @@ class HCQLaneStream : public Stream {
       release_finished();
     }
   }
-  // A block of at least `bytes` (Note [Spare captures]).
-  std::unique_ptr<std::byte[]> take_capture(std::size_t bytes) {
-    if (auto spare = spare_captures_.take(bytes, queued_capture_bytes(), kMaxCapturedBytes)) return std::move(spare->data);
-    return std::make_unique_for_overwrite<std::byte[]>(bytes);
+  // A block of at least `bytes`, holding `bytes` (Note [Spare captures]).
+  HeapCapture take_capture(std::size_t bytes) {
+    if (auto spare = spare_captures_.take(bytes, queued_capture_bytes(), kMaxCapturedBytes))
+      return HeapCapture{std::move(spare->data), bytes};
+    return HeapCapture{std::make_unique_for_overwrite<std::byte[]>(bytes), bytes};
   }
   // A capture whose copy ran: kept for the next copyins if it fits the budget, else freed.
-  void keep_capture(std::unique_ptr<std::byte[]> block, std::size_t bytes) noexcept {
-    spare_captures_.keep(HeapCapture{std::move(block), bytes}, queued_capture_bytes(), kMaxCapturedBytes);
+  void keep_capture(HeapCapture capture) noexcept {
+    spare_captures_.keep(std::move(capture), queued_capture_bytes(), kMaxCapturedBytes);
   }
   // Drops the event waits that passed (the caller may then run work on itself, ordered by
   // nothing). A wait whose signal reached its value only after a poison did not pass (Note [Events
@@ -600,7 +598,7 @@ class HCQLaneStream : public Stream {
   Event finish(std::span<const Buffer> buffers, std::shared_ptr<Program> program) {
     const std::uint64_t value = lane_.last_submitted_value();
     if (lane_.timeline_signal().slot().value.load(std::memory_order_acquire) < value)
-      held_.push_back(Held{value, std::vector<Buffer>(buffers.begin(), buffers.end()), std::move(program), nullptr, 0});
+      held_.push_back(Held{value, std::vector<Buffer>(buffers.begin(), buffers.end()), std::move(program), HeapCapture{}});
     return Event(lane_.timeline_signal(), value, name_);
   }
 
@@ -613,7 +611,7 @@ class HCQLaneStream : public Stream {
   std::deque<Held> held_;
   // Note [CPU stream copyin captures]: blocks whose copies ran (Note [Spare captures]).
   detail::SpareCaptures<HeapCapture> spare_captures_;
-  std::size_t queued_capture_bytes_ = 0;  // the held_ entries' capture_bytes, summed
+  std::size_t queued_capture_bytes_ = 0;  // the held_ entries' captures' sizes, summed
 };
 
 }  // namespace tinydev
