@@ -64,7 +64,15 @@ class HCQCompiled : public Compiled {
   // Note [Timeline wrap]
   // The timeline value only grows; once it passes 2^31 the next synchronize (when no work is in
   // flight) swaps in the shadow signal reset to 0 and restarts at 1, as the seed's
-  // _wrap_timeline_signal. Staging slots tagged with old values are reset with it.
+  // _wrap_timeline_signal. Staging slots tagged with old values are reset with it. A value taken
+  // before a wrap names finished work (the wrap waited for it) but is larger than any the new
+  // timeline has handed out: a wait for a value past timeline_value() on a timeline that wrapped
+  // is for such a value and returns at once, as the allocator's free marks are read
+  // (HCQAllocator::queued_work_done). Without this, a graph replay's own wait, or a caller's, for a
+  // value taken just before another thread's synchronize wrapped the timeline would wait for the
+  // new timeline to count up to it: 30 s and a Timeout for work long finished. The wrap count and
+  // the list of dropped values change together, under one lock, so a wait never checks a value
+  // against the other timeline's dropped ones.
   static constexpr std::uint64_t kTimelineWrap = 1ull << 31;
 
   HCQCompiled(std::string name, std::shared_ptr<Allocator> allocator, std::shared_ptr<Compiler> compiler,
@@ -378,11 +386,13 @@ class HCQCompiled : public Compiled {
   // Blocks until the timeline reached `value`. Timeout names the device and what its queues are
   // blocked on; an Error if `value` was reserved and dropped (Note [Timeline reservations]).
   // Safe without the submit mutex (the current timeline slot is published atomically).
-  // A wrap in the meantime (Note [Timeline wrap]) means everything before it finished: done too.
+  // A wrap in the meantime, or before the call for a value taken before it (Note [Timeline wrap]),
+  // means everything before it finished: done too.
   void wait_timeline(std::uint64_t value, std::chrono::milliseconds timeout = std::chrono::seconds(30)) const {
+    const std::uint64_t wraps = wraps_.load(std::memory_order_acquire);
     wait_timeline_reached(value, timeout);
     if (has_abandoned_.load(std::memory_order_acquire)) [[unlikely]]
-      check_abandoned(value);
+      check_abandoned(value, wraps);
   }
   // Waits for everything submitted so far (last_submitted_value()). Timeout as wait_timeline; a
   // DeviceFault naming the failure when the work failed meanwhile.
@@ -402,6 +412,8 @@ class HCQCompiled : public Compiled {
     const std::uint64_t wraps = wraps_.load(std::memory_order_acquire);
     SignalSlot* slot = timeline_slot_.load(std::memory_order_acquire);
     if (slot->value.load(std::memory_order_acquire) >= value) return;
+    // A value from before a wrap: its work finished before the wrap (Note [Timeline wrap]).
+    if (wraps != 0 && value > timeline_value()) return;
     const auto deadline = std::chrono::steady_clock::now() + timeout;
     while (true) {
       try {
@@ -459,10 +471,11 @@ class HCQCompiled : public Compiled {
     timeline_value_.store(1, std::memory_order_release);
     timeline_slot_.store(&timeline_signal_.slot(), std::memory_order_release);
     // Pending frees keep marks on the old slot, which holds its final value until the next wrap.
-    wraps_.fetch_add(1, std::memory_order_release);
     {
       // Values dropped before the wrap were completed with it; the numbers are handed out again.
+      // The count and the list change together (Note [Timeline wrap]; check_abandoned).
       std::lock_guard abandoned_lock(abandoned_mutex_);
+      wraps_.fetch_add(1, std::memory_order_release);
       abandoned_.clear();
       has_abandoned_.store(false, std::memory_order_release);
     }
@@ -536,8 +549,11 @@ class HCQCompiled : public Compiled {
   // Devices whose Events outlive any synchronize (streams) never wrap (Note [Timeline wrap]).
   void never_wrap_timeline() noexcept { wraps_timeline_ = false; }
 
-  void check_abandoned(std::uint64_t value) const {
+  // `wraps`: the wrap count when the wait began; after a wrap, the list holds the new timeline's
+  // dropped values, not those of the timeline `value` was taken on.
+  void check_abandoned(std::uint64_t value, std::uint64_t wraps) const {
     std::lock_guard lock(abandoned_mutex_);
+    if (wraps_.load(std::memory_order_acquire) != wraps) return;
     if (std::find(abandoned_.begin(), abandoned_.end(), value) != abandoned_.end())
       throw Error(fmt::format(TINYDEV_FMT("{}: timeline value {} was reserved and then dropped before its work was submitted (an "
                               "exception while recording?): nothing ran for it (Note [Timeline reservations])"),

@@ -162,6 +162,47 @@ TEST_CASE("serving: a timeline value dropped before a wrap is not taken for the 
   }, Needs{});
 }
 
+TEST_CASE("serving: a timeline value taken before a wrap reads as finished after it and a new one still waits",
+          "[serving]") {
+  for_each_hcq_device([](auto& dev) {
+    const auto data = random_bytes(4096 + fresh_seed() % 4096, fresh_seed());
+    Buffer src(dev.name(), data.size(), dtypes::uint8), dst(dev.name(), data.size(), dtypes::uint8);
+    src.allocate().copyin(data);
+    dst.allocate();
+    dev.synchronize();
+    dev.set_timeline_for_testing(dev.kTimelineWrap + 2 + fresh_seed() % 1000);
+    std::uint64_t before_wrap = 0;
+    {
+      auto r = dev.reserve_timeline_value();
+      before_wrap = r.value();
+      submit_reserved_copy(dev, r, dst, src);
+    }
+    // Another thread's synchronize wraps the timeline between the submit and this thread's wait
+    // (a graph replay's own wait, say).
+    std::thread([&] { dev.synchronize(); }).join();
+    REQUIRE(dev.timeline_value() < before_wrap);
+    // Before the fix, this waited for the new timeline to count up to the old number: a Timeout.
+    CHECK_NOTHROW(dev.wait_timeline(before_wrap, 100ms));
+    std::vector<std::byte> back(data.size());
+    dst.copyout(back);
+    CHECK(back == data);
+    // A value of the new timeline whose work has not run still waits for it.
+    Signal gate = dev.alloc_signal(0);
+    OpenGateAtExit open_gate{gate};
+    std::uint64_t after_wrap = 0;
+    {
+      std::lock_guard lock(dev.submit_mutex());
+      after_wrap = dev.next_timeline_value();
+      dev.compute_queue().wait(dev.timeline_signal(), after_wrap - 1).wait(gate, 1).signal(dev.timeline_signal(), after_wrap).submit(dev);
+    }
+    CHECK_THROWS_AS(dev.wait_timeline(after_wrap, 100ms), Timeout);
+    gate.set(1);
+    CHECK_NOTHROW(dev.wait_timeline(after_wrap, 5000ms));
+    dev.synchronize();
+    dev.free_signal(gate);
+  }, Needs{});
+}
+
 TEST_CASE("serving: calls that would wait for a timeline value this thread holds reserved are InvalidArgument at once",
           "[serving]") {
   for_each_hcq_device([](auto& dev) {
