@@ -1,6 +1,7 @@
 #include "cuda_api.hpp"
 
 #include <dlfcn.h>
+#include <unistd.h>
 #include <fmt/format.h>
 
 #include <mutex>
@@ -223,6 +224,31 @@ int driver_version_without_init() {
   if (!get || get(&version) != CUDA_SUCCESS) version = 0;
   return version;
 }
+
+// Note [NVRTC builtins]
+// NVRTC opens its builtins library, libnvrtc-builtins.so.MAJOR.MINOR, by bare name at its first
+// compile, and libnvrtc has no RUNPATH: the loader's cache and LD_LIBRARY_PATH decide where it is
+// found. Where NVRTC itself was opened by a path (TINYDEV_CUDA_NVRTC, or the toolkit's folder when
+// the loader's cache does not list it), every compile would then fail with "failed to open
+// libnvrtc-builtins", or take the builtins of another toolkit that is in the cache. So the
+// builtins beside the library opened are loaded first: the loader hands NVRTC's own dlopen the
+// library already loaded under that name (its soname). Never unloaded, as NVRTC is not.
+void preload_builtins_beside(const std::string& library, int major, int minor) {
+  const std::string builtins =
+      fmt::format("{}/libnvrtc-builtins.so.{}.{}", library.substr(0, library.rfind('/')), major, minor);
+  if (::access(builtins.c_str(), F_OK) != 0) {
+    debug_log(2, "CUDA", "no {} beside NVRTC: NVRTC looks for its builtins through the loader's path", builtins);
+    return;
+  }
+  if (::dlopen(builtins.c_str(), RTLD_NOW | RTLD_LOCAL) == nullptr) {
+    const char* why = ::dlerror();
+    debug_log(1, "CUDA", "NVRTC's builtins {} cannot be loaded ({}): NVRTC looks for them through the loader's path",
+              builtins, why ? why : "no reason given");
+    return;
+  }
+  debug_log(2, "CUDA", "NVRTC's builtins from {}", builtins);
+}
+
 }  // namespace
 
 const Nvrtc& nvrtc() {
@@ -298,6 +324,7 @@ const Nvrtc& nvrtc() {
     if (loaded.nvrtcGetSupportedArchs(loaded.archs.data()) != NVRTC_SUCCESS) loaded.archs.clear();
   }
   debug_log(1, "CUDA", "NVRTC {}.{} from {}", loaded.major, loaded.minor, opened);
+  if (opened.find('/') != std::string::npos) preload_builtins_beside(opened, loaded.major, loaded.minor);
   state->nvrtc = loaded;
   state->loaded = true;
   return state->nvrtc;

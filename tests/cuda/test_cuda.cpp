@@ -320,6 +320,14 @@ TEST_CASE("cuda compiler: patched toolkit probe", "[.][probe][cuda-patched-toolk
   const std::uint64_t before = writes();
   const Blob cold = original.compile_cached(src);
   CHECK(writes() == before + 1);
+  // NVRTC compiled with the builtins beside the copy it was opened from (Note [NVRTC builtins]),
+  // not those of the toolkit in the loader's cache.
+  std::string builtins;
+  std::ifstream maps("/proc/self/maps");
+  for (std::string line; std::getline(maps, line);)
+    if (const std::size_t at = line.find('/'); at != std::string::npos && line.find("/libnvrtc-builtins.so.") != std::string::npos)
+      builtins = line.substr(at);
+  CHECK(builtins.find(toolkit.string() + "/lib64/") == 0);
   CHECK(cuda::CudaCompiler("sm_90", false).compile_cached(src) == cold);  // unchanged: a hit
   CHECK(writes() == before + 1);
   // Each change a patch in place makes gives new keys, so the kernel compiles afresh.
@@ -366,7 +374,7 @@ TEST_CASE("cuda compiler: a toolkit patched in place - NVRTC or its half-precisi
   std::filesystem::create_directories(toolkit.path / "include");
   const std::filesystem::path copy = toolkit.path / "lib64" / std::filesystem::path(library).filename();
   std::filesystem::copy_file(library, copy);
-  // NVRTC finds its builtins library beside itself.
+  // NVRTC's builtins library, which tinydev loads from beside the copy (Note [NVRTC builtins]).
   for (const auto& entry : std::filesystem::directory_iterator(std::filesystem::path(library).parent_path()))
     if (entry.path().filename().string().starts_with("libnvrtc-builtins.so"))
       std::filesystem::copy(entry.path(), toolkit.path / "lib64" / entry.path().filename(),
