@@ -556,6 +556,7 @@ class CudaRuntime final : public Runtime {
                                         s.name, quote_for_message(kernel_name), blob.size()));
     std::vector<std::byte> image(blob.begin(), blob.end());
     image.push_back(std::byte{0});
+    device_.note_kernel_load(kernel_name);
     s.make_current();
     CUmodule module = nullptr;
     if (const CUresult r = s.api.cuModuleLoadData(&module, image.data()); r != CUDA_SUCCESS)
@@ -1005,6 +1006,35 @@ bool CudaHCQDevice::holds_unpassed_gpu_waits() const {
     return std::ranges::any_of(
         p.ops, [](const PendingOp& op) { return op.is_wait && !op.stale() && !gpu_reached(*op.slot, op.value); });
   });
+}
+
+// Note [CUDA lazy loading]
+// With lazy module loading, the driver's default on Linux since CUDA 12.2 (CUDA_MODULE_LOADING),
+// a kernel is loaded onto the GPU in cuModuleGetFunction, not with its module, and NVIDIA's
+// programming guide warns that loading a kernel "might require context synchronization": the
+// load may wait for every stream of the GPU. A stream held by a GPU wait on a signal set later (an
+// Event the host completes) then holds the loading thread, for ever if that thread is the one to
+// complete it; there is no call tinydev could defer, as with frees (Note [CUDA implicit
+// synchronization]), since the caller needs the kernel now. So a load while any stream of the GPU
+// holds a GPU wait that has not passed is said, before the driver is called: a warning once per
+// GPU, naming the kernel and the ways out (load kernels before streams wait on events the host
+// completes, or set CUDA_MODULE_LOADING=EAGER before the process's first CUDA call), and at
+// TINYDEV_DEBUG=1 every time; with CUDA_MODULE_LOADING=EAGER nothing is said. The fake driver
+// does not make loads wait (the real driver's behaviour here is "might"); docs/cuda.md.
+bool CudaHCQDevice::note_kernel_load(std::string_view kernel) {
+  if (const char* mode = std::getenv("CUDA_MODULE_LOADING"); mode && std::string_view(mode) == "EAGER") return false;
+  CudaHCQDevice& root = context_device();
+  if (!root.context_holds_gpu_waits()) return false;
+  const std::string message = fmt::format(
+      "kernel '{}' is being loaded while a stream of {} waits on the GPU for a signal not yet set: with lazy module "
+      "loading (the driver's default since CUDA 12.2) the driver may wait for every stream of the GPU before the "
+      "kernel is usable, for ever if this thread is the one to set that signal. Load kernels before streams wait "
+      "for Events the host completes, or set CUDA_MODULE_LOADING=EAGER before the process's first CUDA call (Note "
+      "[CUDA lazy loading], docs/cuda.md)",
+      quote_for_message(kernel), root.name());
+  if (!root.warned_of_lazy_loading_.exchange(true)) log_message(LogLevel::warning, root.name(), message);
+  else debug_log(1, root.name(), "{}", message);
+  return true;
 }
 
 bool CudaHCQDevice::context_holds_gpu_waits() {

@@ -282,6 +282,10 @@ class CudaHCQDevice final : public HCQCompiled<CudaComputeQueue, CudaCopyQueue> 
   // releases were made, without waiting for them (callers may hold the submit mutex).
   void* alloc_pinned(std::size_t bytes, std::string_view what);
   bool is_lane() const noexcept { return parent_ != nullptr; }
+  // Note [CUDA lazy loading] (cuda_device.cpp): says, before `kernel` is loaded, that the load may
+  // wait for a stream of the GPU held by a GPU wait: once per GPU as a warning, every time at
+  // TINYDEV_DEBUG=1. Returns whether it said so. Thread-safe.
+  bool note_kernel_load(std::string_view kernel);
 
   // Every CUDA device's signals: pinned, device-mapped host memory all of them reach.
   bool can_reach(const SignalPool& pool) const noexcept override;
@@ -469,6 +473,7 @@ class CudaHCQDevice final : public HCQCompiled<CudaComputeQueue, CudaCopyQueue> 
   std::array<LazyMark, 4> lazy_marks_{};  // the last lazy signals
   std::size_t lazy_mark_next_ = 0;
   std::int64_t clock_offset_ns_ = 0;    // host ns - %globaltimer ns, measured at open
+  std::atomic<bool> warned_of_lazy_loading_{false};  // on the context's device (Note [CUDA lazy loading])
   mutable std::atomic<bool> context_failed_{false};  // a sticky driver error happened (Note [CUDA recovery])
 };
 
