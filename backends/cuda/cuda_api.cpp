@@ -4,6 +4,7 @@
 #include <unistd.h>
 #include <fmt/format.h>
 
+#include <filesystem>
 #include <mutex>
 #include <vector>
 
@@ -233,9 +234,22 @@ int driver_version_without_init() {
 // libnvrtc-builtins", or take the builtins of another toolkit that is in the cache. So the
 // builtins beside the library opened are loaded first: the loader hands NVRTC's own dlopen the
 // library already loaded under that name (its soname). Never unloaded, as NVRTC is not.
+// CUDA 13's second NVRTC, libnvrtc.alt.so, has builtins of its own: libnvrtc-builtins.alt.so.M.m.
+// Looked for beside the path opened, then beside the file it links to (a TINYDEV_CUDA_NVRTC that
+// is a link into a toolkit).
 void preload_builtins_beside(const std::string& library, int major, int minor) {
-  const std::string builtins =
-      fmt::format("{}/libnvrtc-builtins.so.{}.{}", library.substr(0, library.rfind('/')), major, minor);
+  const auto candidate = [&](const std::string& path) {
+    const std::size_t slash = path.rfind('/');
+    const std::string file = path.substr(slash + 1);
+    return fmt::format("{}/libnvrtc-builtins{}.so.{}.{}", path.substr(0, slash),
+                       file.starts_with("libnvrtc.alt.") ? ".alt" : "", major, minor);
+  };
+  std::string builtins = candidate(library);
+  if (::access(builtins.c_str(), F_OK) != 0) {
+    std::error_code error;
+    const std::string target = std::filesystem::canonical(library, error).string();
+    if (!error && target.find('/') != std::string::npos) builtins = candidate(target);
+  }
   if (::access(builtins.c_str(), F_OK) != 0) {
     debug_log(2, "CUDA", "no {} beside NVRTC: NVRTC looks for its builtins through the loader's path", builtins);
     return;

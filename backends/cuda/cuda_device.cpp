@@ -1000,11 +1000,13 @@ bool wait_passes(const SignalSlot& slot, std::uint64_t value) noexcept {
 // its record): the record and the check both take the lane's pending_mutex_, so either the
 // release sees the record and is deferred, or the submission sees the release in progress. At
 // exit the context takes what is still deferred along.
-bool CudaHCQDevice::holds_unpassed_gpu_waits() const {
+bool CudaHCQDevice::holds_unpassed_gpu_waits(std::span<const SignalSlot* const> ignoring) const {
   std::lock_guard lock(pending_mutex_);
-  return std::ranges::any_of(pending_, [](const PendingSubmission& p) {
-    return std::ranges::any_of(
-        p.ops, [](const PendingOp& op) { return op.is_wait && !op.stale() && !gpu_reached(*op.slot, op.value); });
+  return std::ranges::any_of(pending_, [&](const PendingSubmission& p) {
+    return std::ranges::any_of(p.ops, [&](const PendingOp& op) {
+      return op.is_wait && !op.stale() && !gpu_reached(*op.slot, op.value) &&
+             std::ranges::find(ignoring, op.slot) == ignoring.end();
+    });
   });
 }
 
@@ -1016,15 +1018,23 @@ bool CudaHCQDevice::holds_unpassed_gpu_waits() const {
 // Event the host completes) then holds the loading thread, for ever if that thread is the one to
 // complete it; there is no call tinydev could defer, as with frees (Note [CUDA implicit
 // synchronization]), since the caller needs the kernel now. So a load while any stream of the GPU
-// holds a GPU wait that has not passed is said, before the driver is called: a warning once per
+// holds a GPU wait that has not passed, on a signal other than this GPU's own timelines (those
+// pass as the GPU's earlier work runs), is said, before the driver is called: a warning once per
 // GPU, naming the kernel and the ways out (load kernels before streams wait on events the host
 // completes, or set CUDA_MODULE_LOADING=EAGER before the process's first CUDA call), and at
 // TINYDEV_DEBUG=1 every time; with CUDA_MODULE_LOADING=EAGER nothing is said. The fake driver
 // does not make loads wait (the real driver's behaviour here is "might"); docs/cuda.md.
 bool CudaHCQDevice::note_kernel_load(std::string_view kernel) {
   if (const char* mode = std::getenv("CUDA_MODULE_LOADING"); mode && std::string_view(mode) == "EAGER") return false;
+  // Waits on this GPU's own timelines (the device's, its streams') pass once the GPU's earlier
+  // work ran; only waits on other signals (an Event the host completes, a user's Signal, another
+  // GPU's work) can hold a stream until someone sets them.
   CudaHCQDevice& root = context_device();
-  if (!root.context_holds_gpu_waits()) return false;
+  std::vector<const SignalSlot*> timelines{root.timeline_slot()};
+  root.for_each_lane([&](const CudaHCQDevice& lane) { timelines.push_back(lane.timeline_slot()); });
+  bool held = root.holds_unpassed_gpu_waits(timelines);
+  if (!held) root.for_each_lane([&](const CudaHCQDevice& lane) { held = held || lane.holds_unpassed_gpu_waits(timelines); });
+  if (!held) return false;
   const std::string message = fmt::format(
       "kernel '{}' is being loaded while a stream of {} waits on the GPU for a signal not yet set: with lazy module "
       "loading (the driver's default since CUDA 12.2) the driver may wait for every stream of the GPU before the "

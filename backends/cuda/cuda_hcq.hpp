@@ -403,8 +403,9 @@ class CudaHCQDevice final : public HCQCompiled<CudaComputeQueue, CudaCopyQueue> 
   mutable std::mutex pending_mutex_;
   std::deque<PendingSubmission> pending_;
   std::uint64_t pending_ids_ = 0;
-  // Whether one of this device's submissions holds a GPU wait that has not passed (its record).
-  bool holds_unpassed_gpu_waits() const;
+  // Whether one of this device's submissions holds a GPU wait that has not passed (its record),
+  // not counting waits on the signals in `ignoring`.
+  bool holds_unpassed_gpu_waits(std::span<const SignalSlot* const> ignoring = {}) const;
   // The same for every stream of the context: this device's parent and all its lanes.
   bool context_holds_gpu_waits();
   struct DeferredRelease {

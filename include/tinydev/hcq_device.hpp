@@ -71,8 +71,10 @@ class HCQCompiled : public Compiled {
   // (HCQAllocator::queued_work_done). Without this, a graph replay's own wait, or a caller's, for a
   // value taken just before another thread's synchronize wrapped the timeline would wait for the
   // new timeline to count up to it: 30 s and a Timeout for work long finished. The wrap count and
-  // the list of dropped values change together, under one lock, so a wait never checks a value
-  // against the other timeline's dropped ones.
+  // the list of dropped values change together, under one lock, so a wait that a wrap overtook
+  // does not check its value against the new timeline's dropped ones. (A value from early in an
+  // old timeline, no larger than the new timeline_value(), and first waited on after a wrap, is
+  // still taken for the new timeline's: held for some 2^31 submissions, a value says no more.)
   static constexpr std::uint64_t kTimelineWrap = 1ull << 31;
 
   HCQCompiled(std::string name, std::shared_ptr<Allocator> allocator, std::shared_ptr<Compiler> compiler,
