@@ -248,7 +248,7 @@ void preload_builtins_beside(const std::string& library, int major, int minor) {
   if (::access(builtins.c_str(), F_OK) != 0) {
     std::error_code error;
     const std::string target = std::filesystem::canonical(library, error).string();
-    if (!error && target.find('/') != std::string::npos) builtins = candidate(target);
+    if (!error) builtins = candidate(target);
   }
   if (::access(builtins.c_str(), F_OK) != 0) {
     debug_log(2, "CUDA", "no {} beside NVRTC: NVRTC looks for its builtins through the loader's path", builtins);

@@ -1024,17 +1024,15 @@ bool CudaHCQDevice::holds_unpassed_gpu_waits(std::span<const SignalSlot* const> 
 // completes, or set CUDA_MODULE_LOADING=EAGER before the process's first CUDA call), and at
 // TINYDEV_DEBUG=1 every time; with CUDA_MODULE_LOADING=EAGER nothing is said. The fake driver
 // does not make loads wait (the real driver's behaviour here is "might"); docs/cuda.md.
-bool CudaHCQDevice::note_kernel_load(std::string_view kernel) {
-  if (const char* mode = std::getenv("CUDA_MODULE_LOADING"); mode && std::string_view(mode) == "EAGER") return false;
+void CudaHCQDevice::note_kernel_load(std::string_view kernel) {
+  if (const char* mode = std::getenv("CUDA_MODULE_LOADING"); mode && std::string_view(mode) == "EAGER") return;
   // Waits on this GPU's own timelines (the device's, its streams') pass once the GPU's earlier
   // work ran; only waits on other signals (an Event the host completes, a user's Signal, another
   // GPU's work) can hold a stream until someone sets them.
   CudaHCQDevice& root = context_device();
   std::vector<const SignalSlot*> timelines{root.timeline_slot()};
   root.for_each_lane([&](const CudaHCQDevice& lane) { timelines.push_back(lane.timeline_slot()); });
-  bool held = root.holds_unpassed_gpu_waits(timelines);
-  if (!held) root.for_each_lane([&](const CudaHCQDevice& lane) { held = held || lane.holds_unpassed_gpu_waits(timelines); });
-  if (!held) return false;
+  if (!root.context_holds_gpu_waits(timelines)) return;
   const std::string message = fmt::format(
       "kernel '{}' is being loaded while a stream of {} waits on the GPU for a signal not yet set: with lazy module "
       "loading (the driver's default since CUDA 12.2) the driver may wait for every stream of the GPU before the "
@@ -1044,13 +1042,12 @@ bool CudaHCQDevice::note_kernel_load(std::string_view kernel) {
       quote_for_message(kernel), root.name());
   if (!root.warned_of_lazy_loading_.exchange(true)) log_message(LogLevel::warning, root.name(), message);
   else debug_log(1, root.name(), "{}", message);
-  return true;
 }
 
-bool CudaHCQDevice::context_holds_gpu_waits() {
+bool CudaHCQDevice::context_holds_gpu_waits(std::span<const SignalSlot* const> ignoring) {
   CudaHCQDevice& root = context_device();
-  bool held = root.holds_unpassed_gpu_waits();
-  if (!held) root.for_each_lane([&](const CudaHCQDevice& lane) { held = held || lane.holds_unpassed_gpu_waits(); });
+  bool held = root.holds_unpassed_gpu_waits(ignoring);
+  if (!held) root.for_each_lane([&](const CudaHCQDevice& lane) { held = held || lane.holds_unpassed_gpu_waits(ignoring); });
   return held;
 }
 

@@ -284,8 +284,8 @@ class CudaHCQDevice final : public HCQCompiled<CudaComputeQueue, CudaCopyQueue> 
   bool is_lane() const noexcept { return parent_ != nullptr; }
   // Note [CUDA lazy loading] (cuda_device.cpp): says, before `kernel` is loaded, that the load may
   // wait for a stream of the GPU held by a GPU wait: once per GPU as a warning, every time at
-  // TINYDEV_DEBUG=1. Returns whether it said so. Thread-safe.
-  bool note_kernel_load(std::string_view kernel);
+  // TINYDEV_DEBUG=1. Thread-safe.
+  void note_kernel_load(std::string_view kernel);
 
   // Every CUDA device's signals: pinned, device-mapped host memory all of them reach.
   bool can_reach(const SignalPool& pool) const noexcept override;
@@ -407,7 +407,7 @@ class CudaHCQDevice final : public HCQCompiled<CudaComputeQueue, CudaCopyQueue> 
   // not counting waits on the signals in `ignoring`.
   bool holds_unpassed_gpu_waits(std::span<const SignalSlot* const> ignoring = {}) const;
   // The same for every stream of the context: this device's parent and all its lanes.
-  bool context_holds_gpu_waits();
+  bool context_holds_gpu_waits(std::span<const SignalSlot* const> ignoring = {});
   struct DeferredRelease {
     DriverRelease kind;
     std::uintptr_t handle;

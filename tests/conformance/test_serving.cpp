@@ -76,18 +76,6 @@ Event launch_add(Stream& stream, const std::shared_ptr<Program>& add, const Buff
   return stream.launch(add, args, values);
 }
 
-// Opens `gate` (sets it to 1) when it goes out of scope: a test that fails before it opens the
-// gate leaves no queued work waiting for it for good (nor a graph's destructor for 30 s).
-struct OpenGateAtExit {
-  const Signal& gate;
-  ~OpenGateAtExit() {
-    try {
-      gate.set(1);
-    } catch (...) {  // freed by the test already
-    }
-  }
-};
-
 // Copies all of `src` into `dest` on the copy queue as reservation `r`'s work, and spends it.
 template <class Dev, class Reservation>
 void submit_reserved_copy(Dev& dev, Reservation& r, const Buffer& dest, const Buffer& src) {

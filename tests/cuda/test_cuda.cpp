@@ -580,14 +580,15 @@ struct FakeEnv {
   FakeEnv& operator=(const FakeEnv&) = delete;
 };
 
-// Collects the warnings logged in its scope; the log sink is reset when it goes.
+// Collects the messages of `levels` (warnings unless told) logged in its scope; the log sink is
+// reset when it goes.
 struct Warnings {
   std::vector<std::string> messages;
   std::mutex mutex;
-  Warnings() {
-    set_log_sink([this](LogLevel level, std::string_view, std::string_view message) {
+  explicit Warnings(std::vector<LogLevel> levels = {LogLevel::warning}) {
+    set_log_sink([this, levels = std::move(levels)](LogLevel level, std::string_view, std::string_view message) {
       std::lock_guard lock(mutex);
-      if (level == LogLevel::warning) messages.emplace_back(message);
+      if (std::ranges::find(levels, level) != levels.end()) messages.emplace_back(message);
     });
   }
   ~Warnings() { set_log_sink(nullptr); }
@@ -1708,60 +1709,37 @@ TEST_CASE("cuda fake: a kernel loaded while a stream waits on the GPU for a host
   // Note [CUDA lazy loading]: a warning once per GPU, every time at TINYDEV_DEBUG=1 (so this test
   // sees one message per load whichever test warned first in this process).
   ScopedOverride debug("TINYDEV_DEBUG", "1");
-  std::mutex mutex;
-  std::vector<std::string> said;
-  set_log_sink([&](LogLevel level, std::string_view, std::string_view message) {
-    std::lock_guard lock(mutex);
-    if ((level == LogLevel::warning || level == LogLevel::info) && message.find("is being loaded") != std::string_view::npos)
-      said.emplace_back(message);
-  });
-  struct ResetSink {
-    ~ResetSink() { set_log_sink(nullptr); }
-  } reset_sink;
-  const auto count = [&] {
-    std::lock_guard lock(mutex);
-    return said.size();
+  Warnings logged({LogLevel::warning, LogLevel::info});
+  const auto said = [&] {  // the messages about loads (TINYDEV_DEBUG=1 logs other things too)
+    std::lock_guard lock(logged.mutex);
+    std::vector<std::string> loads;
+    std::ranges::copy_if(logged.messages, std::back_inserter(loads),
+                         [](const std::string& m) { return m.find("is being loaded") != std::string::npos; });
+    return loads;
   };
+  const auto count = [&] { return said().size(); };
   FakeEnv lazy("CUDA_MODULE_LOADING", "LAZY");
   const std::string src = kernels::add_f32(SourceLanguage::CUDA);
   CHECK(dev->load_kernel("add", src));  // no stream waits: nothing said
   CHECK(count() == 0);
   auto stream = dev->create_stream();
   Signal gate = dev->alloc_signal(0);
-  struct OpenGate {  // on the way out too, before the stream goes: a failed check leaves no stream waiting
-    Signal& gate;
-    ~OpenGate() {
-      try {
-        gate.set(1);
-      } catch (...) {
-      }
-    }
-  } open_gate{gate};
+  const OpenGateAtExit open_gate{gate};  // before the stream goes, if a check throws
   stream->wait(Event(gate, 1, nullptr));
   const Event held = stream->record();  // submits the wait: the stream now waits on the GPU
   CHECK_FALSE(held.query());
   std::shared_ptr<Program> add = dev->load_kernel("add", src);
   REQUIRE(count() == 1);
-  CHECK_THAT(said[0], Catch::Contains("kernel 'add'") && Catch::Contains(dev->name()) &&
+  CHECK_THAT(said()[0], Catch::Contains("kernel 'add'") && Catch::Contains(dev->name()) &&
                           Catch::Contains("CUDA_MODULE_LOADING=EAGER"));
   {
     FakeEnv eager("CUDA_MODULE_LOADING", "EAGER");  // loaded with the module: nothing to say
     CHECK(dev->load_kernel("add", src));
     CHECK(count() == 1);
   }
-  // The kernel loaded behind the held stream runs (on the device's own queue) and is right.
-  const std::size_t n = 1000 + fresh_seed() % 1000;
-  const auto a = random_floats(n, fresh_seed()), b = random_floats(n, fresh_seed());
-  Buffer ba(dev->name(), n, dtypes::float32), bb(dev->name(), n, dtypes::float32), out(dev->name(), n, dtypes::float32);
-  ba.allocate().copyin(std::span<const float>(a));
-  bb.allocate().copyin(std::span<const float>(b));
-  out.allocate();
-  const Allocation bufs[] = {out.allocation(), ba.allocation(), bb.allocation()};
-  const std::int32_t vals[] = {static_cast<std::int32_t>(n)};
-  (*add)(bufs, vals);
-  std::vector<float> back(n);
-  out.copyout(std::span<float>(back));  // after the launch on the same queue (synchronize() would wait for the stream too)
-  for (std::size_t i = 0; i < n; ++i) REQUIRE(back[i] == a[i] + b[i]);
+  // The kernel loaded behind the held stream runs (on the device's own queue, waited for there:
+  // synchronize() would wait for the stream too) and is right.
+  CHECK(add_on_grid(*dev, *add, 1000 + fresh_seed() % 1000, fresh_seed()).wrong == 0);
   gate.set(1);
   held.wait(std::chrono::seconds(10));
   CHECK(dev->load_kernel("add", src));  // the wait passed: nothing said
