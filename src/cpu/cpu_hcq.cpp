@@ -106,12 +106,14 @@ CpuQueueWorker::~CpuQueueWorker() {
 }
 
 void CpuQueueWorker::submit(std::shared_ptr<const std::vector<CpuCommand>> commands) {
+  std::vector<std::shared_ptr<const std::vector<CpuCommand>>> freeing;  // destroyed after the lock
   bool wake;
   {
     std::lock_guard lock(mutex_);
     if (!thread_.joinable()) [[unlikely]]
       thread_ = std::thread([this] { run(); });  // throws std::system_error, nothing queued
     pending_.push_back(std::move(commands));
+    freeing.swap(retired_);  // Note [Freed where allocated]: freed below, outside the lock
     // Counted before the worker can take it (it takes under this lock), so idle() never reports
     // idle while a submission is queued or running (Note [Inline replay] relies on it).
     submitted_.fetch_add(1, std::memory_order_seq_cst);
@@ -120,32 +122,65 @@ void CpuQueueWorker::submit(std::shared_ptr<const std::vector<CpuCommand>> comma
   if (wake) wake_.notify_one();
 }
 
+// Note [Freed where allocated]
+// An eager queue (wait, exec, signal) is made, submitted and dropped by its caller, so the worker
+// that ran it held the last reference to its words and freed them: two blocks per submission
+// allocated on one thread and freed on another. glibc puts such a free in the freeing thread's
+// cache, or past its few slots into the allocating arena under that arena's lock, while the
+// allocating thread finds its own cache empty and takes the same lock (and the heap's top,
+// trimmed and grown again, faults pages back in): perf put half of the submitting thread's time
+// in a pipelined eager exec in malloc and the kernel (page faults, futex calls of glibc's lock).
+// So the worker keeps the words it alone held (use count 1: no queue holds them, nor can one take
+// them again) and hands them back under the lock it takes anyway for the next batch; the next
+// submit takes them, and its thread frees them after unlocking. Words a queue still holds are
+// released at once, as before: the queue reuses them in place once unshared (Note [Queue
+// resubmission]). At most kMaxRetired wait so (a burst of eager queues followed by silence would
+// otherwise keep them all); past that the worker frees them. The worker also takes every queued
+// submission at once, one lock per batch.
 void CpuQueueWorker::run() {
   ensure_alternate_signal_stack();  // Note [Fatal signals in kernels]
   std::uint64_t taken = 0;
+  std::vector<std::shared_ptr<const std::vector<CpuCommand>>> batch, done;
   while (true) {
     // A pipelined producer submits again within microseconds: spin a little before sleeping
     // (Note [Adaptive spinning]: the budget shrinks when the producer does not come back soon).
     detail::adaptive_spin([&] { return submitted_.load(std::memory_order_acquire) != taken; });
-    std::shared_ptr<const std::vector<CpuCommand>> next;
     {
       std::unique_lock lock(mutex_);
+      if (retired_.empty()) {
+        retired_.swap(done);
+      } else if (retired_.size() + done.size() <= kMaxRetired) {
+        try {
+          retired_.insert(retired_.end(), std::make_move_iterator(done.begin()), std::make_move_iterator(done.end()));
+        } catch (...) {  // no memory: freed here after all (below, as `done` is cleared)
+        }
+      }
+      done.clear();  // what the submitting side did not take: freed here
       if (pending_.empty()) {
         sleeping_ = true;
         wake_.wait(lock, [&] { return !pending_.empty() || stop_; });
         sleeping_ = false;
       }
       if (pending_.empty() && stop_) return;
-      next = std::move(pending_.front());
-      pending_.pop_front();
+      batch.swap(pending_);  // every submission queued: one lock for all of them
     }
-    taken += 1;
-    execute_commands(*next, 0, device_, lane_, /*blocking=*/true, &blocked_);
-    // BlockedOn: running_name was cleared; a reader that read it before is seen here.
-    std::atomic_thread_fence(std::memory_order_seq_cst);
-    while (blocked_.readers.load(std::memory_order_acquire) != 0) detail::cpu_relax();
-    next.reset();  // the snapshot's release happens before the queue sees it unshared
-    finished_.fetch_add(1, std::memory_order_release);
+    for (auto& next : batch) {
+      taken += 1;
+      execute_commands(*next, 0, device_, lane_, /*blocking=*/true, &blocked_);
+      // BlockedOn: running_name was cleared; a reader that read it before is seen here.
+      std::atomic_thread_fence(std::memory_order_seq_cst);
+      while (blocked_.readers.load(std::memory_order_acquire) != 0) detail::cpu_relax();
+      // The snapshot's release happens before the queue sees it unshared.
+      if (next.use_count() == 1 && done.size() < kMaxRetired) {
+        try {
+          done.push_back(std::move(next));
+        } catch (...) {  // no memory: freed here
+        }
+      }
+      next.reset();
+      finished_.fetch_add(1, std::memory_order_release);
+    }
+    batch.clear();
   }
 }
 
