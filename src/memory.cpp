@@ -211,6 +211,33 @@ std::uint64_t default_host_cache_bound() noexcept {
 LRUAllocator::LRUAllocator() : default_max_bytes_(default_host_cache_bound()) {}
 LRUAllocator::~LRUAllocator() = default;
 
+// Note [Bucket cache]
+// A cache hit and the free that refills it each look a size's bucket up. std::unordered_map does
+// that with a division by its prime bucket count and a walk of the bucket's chain: about a third
+// of an alloc+free pair. Buckets are never erased, so their addresses are stable and a
+// direct-mapped table of 64 (key, bucket) pairs, indexed by a multiplicative hash, answers for the
+// sizes in use with one compare; the map is asked only on a miss, which fills the slot.
+static std::size_t bucket_cache_slot(std::size_t size, std::uint8_t options) noexcept {
+  return static_cast<std::size_t>(((static_cast<std::uint64_t>(size) * 16 + options) * 0x9e3779b97f4a7c15ull) >> 58);
+}
+
+LRUAllocator::Bucket* LRUAllocator::find_bucket(Key key) {
+  CachedBucket& cached = bucket_cache_[bucket_cache_slot(key.size, key.options)];
+  if (cached.key == key) return cached.bucket;
+  const auto it = buckets_.find(key);
+  if (it == buckets_.end()) return nullptr;
+  cached = CachedBucket{key, &it->second};
+  return cached.bucket;
+}
+
+LRUAllocator::Bucket& LRUAllocator::bucket_for(Key key) {
+  CachedBucket& cached = bucket_cache_[bucket_cache_slot(key.size, key.options)];
+  if (cached.key == key) return *cached.bucket;
+  Bucket& bucket = buckets_[key];
+  cached = CachedBucket{key, &bucket};
+  return bucket;
+}
+
 LRUAllocator::Entry* LRUAllocator::new_entry() {
   if (!spare_) {
     constexpr std::size_t kSlab = 64;
@@ -270,8 +297,8 @@ Allocation LRUAllocator::alloc(std::size_t size, const BufferOptions& options) {
   (void)settings();
   {
     std::lock_guard lock(mutex_);
-    auto it = buckets_.find(Key{size, options.bits()});
-    Entry* e = it != buckets_.end() ? it->second.newest : nullptr;
+    const Bucket* bucket = find_bucket(Key{size, options.bits()});
+    Entry* e = bucket ? bucket->newest : nullptr;
     // Note [Cache reuse after queued work]: the newest entry, or one of a few older ones, whose
     // queued writers are done.
     for (int looked = 0; e && e->reuse_after && !queued_work_done(e->reuse_after) && looked < 4; ++looked)
@@ -340,7 +367,7 @@ void LRUAllocator::free(Allocation allocation, std::size_t size, const BufferOpt
     Key key{size, options.bits()};
     // These may throw bad_alloc: nothing has changed yet.
     if (cap && stats_.bytes_cached + size > cap) evicted.reserve(stats_.entries_cached + 1);
-    Bucket& bucket = buckets_[key];
+    Bucket& bucket = bucket_for(key);
     Entry* e = new_entry();
     live_.erase(record);
     e->allocation = allocation;
@@ -358,7 +385,7 @@ void LRUAllocator::free(Allocation allocation, std::size_t size, const BufferOpt
     stats_.entries_cached += 1;
     if (cap && stats_.bytes_cached > cap) evict_over_cap(cap, evicted);
   }
-  release(evicted);
+  if (!evicted.empty()) release(evicted);
 }
 
 void LRUAllocator::free_cache() {

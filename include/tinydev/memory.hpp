@@ -16,6 +16,7 @@
 // calls into the backend (alloc_impl/free_impl) under it.
 #pragma once
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -320,13 +321,21 @@ class LRUAllocator : public Allocator {
   struct Bucket {
     Entry* newest = nullptr;  // per-key list, newest first (LIFO reuse)
   };
+  // The bucket of `key` (Note [Bucket cache]): nullptr if none / made if none (may throw bad_alloc).
+  Bucket* find_bucket(Key key);
+  Bucket& bucket_for(Key key);
   Entry* new_entry();
   void unlink(Entry* e);
   void evict_over_cap(std::uint64_t cap, std::vector<Entry>& out);
   void release(std::vector<Entry>& entries);
 
   std::uint64_t default_max_bytes_;
-  std::unordered_map<Key, Bucket, KeyHash> buckets_;
+  std::unordered_map<Key, Bucket, KeyHash> buckets_;  // never erased from: Bucket addresses are stable
+  struct CachedBucket {
+    Key key{0, 0};  // no allocation has size 0: an empty slot matches no key
+    Bucket* bucket = nullptr;
+  };
+  std::array<CachedBucket, 64> bucket_cache_{};
   Entry* lru_oldest_ = nullptr;  // global list of every cached entry, by time of free
   Entry* lru_newest_ = nullptr;
   Entry* spare_ = nullptr;       // recycled Entry nodes: no heap allocation in steady state

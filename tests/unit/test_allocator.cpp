@@ -1,4 +1,5 @@
 #include "support.hpp"
+#include <set>
 #include <utility>
 
 #include "tinydev/hcq_stream.hpp"
@@ -37,6 +38,49 @@ TEST_CASE("lru: reuse is last-in first-out per key", "[allocator]") {
   CHECK(a.alloc(256) == x);
   a.free(x, 256);
   a.free(y, 256);
+}
+
+// Note [Bucket cache]: 300 keys over 64 cache slots, so keys share slots and evict each other's
+// cached bucket; every hit must still come from its own key's list, newest first.
+TEST_CASE("lru: hundreds of sizes and option sets each reuse their own memory last-in first-out", "[allocator]") {
+  FakeAllocator a;
+  std::mt19937_64 rng(fresh_seed());
+  struct KeyState {
+    std::size_t size;
+    BufferOptions options;
+    std::vector<Allocation> cached;  // the model: freed, newest last
+    std::vector<Allocation> live;
+  };
+  std::vector<KeyState> keys;
+  std::set<std::size_t> sizes;
+  while (sizes.size() < 150) sizes.insert(1 + rng() % 20000);
+  for (const std::size_t size : sizes)  // each size with two option sets: keys that differ only there
+    for (const bool host : {false, true}) keys.push_back(KeyState{size, BufferOptions{.host = host}, {}, {}});
+  for (int step = 0; step < 20000; ++step) {
+    KeyState& k = keys[rng() % keys.size()];
+    if (k.live.empty() || rng() % 2) {
+      const Allocation got = a.alloc(k.size, k.options);
+      if (!k.cached.empty()) {
+        INFO("size " << k.size << " host " << k.options.host << " step " << step);
+        REQUIRE(got == k.cached.back());
+        k.cached.pop_back();
+      }
+      k.live.push_back(got);
+    } else {
+      const std::size_t i = rng() % k.live.size();
+      const Allocation freed = k.live[i];
+      k.live.erase(k.live.begin() + static_cast<std::ptrdiff_t>(i));
+      a.free(freed, k.size, k.options);
+      k.cached.push_back(freed);
+    }
+  }
+  std::size_t cached_bytes = 0;
+  for (KeyState& k : keys) {
+    for (const Allocation& x : k.live) a.free(x, k.size, k.options);
+    cached_bytes += k.size * (k.cached.size() + k.live.size());
+  }
+  CHECK(a.stats().bytes_cached == cached_bytes);
+  CHECK(a.stats().live_allocations == 0);
 }
 
 TEST_CASE("lru: different options or sizes get different memory", "[allocator]") {
