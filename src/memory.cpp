@@ -183,7 +183,8 @@ void Allocator::transfer(Allocation, Allocation, std::size_t, Compiled&, Compile
 // reuse is LIFO as in the seed: the most recently freed memory is the warmest) and one global list
 // ordered by time of free (for TINYDEV_LRU_MAX_BYTES, which evicts the least recently freed).
 // Entries come from slabs and are recycled through `spare_`, so a cache hit or a cached free does
-// one hash lookup and pointer swaps: no heap allocation and no backend call under the lock.
+// one bucket lookup (Note [Bucket cache]) and pointer swaps: no heap allocation and no backend
+// call under the lock.
 struct LRUAllocator::Entry {
   Allocation allocation;
   Key key{};
