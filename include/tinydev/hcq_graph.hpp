@@ -5,11 +5,13 @@
 // kernel arguments: a copy of the graph. Nodes run in recorded order: a queue runs its own in
 // order, and where the nodes change queues the graph's own signal orders them: the last node
 // before the switch sets it to the next node's position and the first after it waits for that
-// (tinygrad's graph, too, waits only for the other queues). Nodes between pass no signal: a graph of
-// 1,000 kernels and no copies has one graph-signal store, and a replay patches a handful of
-// commands, not 2,000 (each a store into words the worker just read, on another core): a replay
-// of 1,000 CPU kernels went from 58-104 ns per node to 17-29 (docs/performance.md). The last node
-// always sets the signal to the node count, which is how a copy's replay is known to be finished.
+// (tinygrad's graph, too, waits only for the other queues). Nodes between pass no signal, which
+// relies on a queue running its commands in order (hcq_concepts.hpp): a graph of 1,000 kernels
+// and no copies has two graph-signal stores (the prologue's and the last node's), and a replay
+// patches a handful of commands, not 2,000 (each a store into words the worker just read, on
+// another core): a replay of 1,000 CPU kernels went from 58-104 ns per node to 17-29
+// (docs/performance.md). The last node always sets the signal to the replay's base plus the node
+// count, which is how a copy's replay is known to be finished.
 // The compute queue starts by waiting for the device timeline (work submitted before the replay)
 // and ends by signalling it. A replay patches one copy in place: the signal values (every replay
 // uses fresh ones), the kernel-argument slots of inputs and variables that differ from what that copy

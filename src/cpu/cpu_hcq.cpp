@@ -94,7 +94,9 @@ void CpuCopyQueue::_submit(Compiled& device) {
 // ---- workers --------------------------------------------------------------------------------------
 
 CpuQueueWorker::CpuQueueWorker(std::string device, std::string lane)
-    : device_(std::move(device)), lane_(std::move(lane)) {}
+    : device_(std::move(device)), lane_(std::move(lane)) {
+  retired_.reserve(kMaxRetired);  // Note [Freed where allocated]: never grown afterwards
+}
 
 CpuQueueWorker::~CpuQueueWorker() {
   {
@@ -106,14 +108,13 @@ CpuQueueWorker::~CpuQueueWorker() {
 }
 
 void CpuQueueWorker::submit(std::shared_ptr<const std::vector<CpuCommand>> commands) {
-  std::vector<std::shared_ptr<const std::vector<CpuCommand>>> freeing;  // destroyed after the lock
   bool wake;
   {
     std::lock_guard lock(mutex_);
     if (!thread_.joinable()) [[unlikely]]
       thread_ = std::thread([this] { run(); });  // throws std::system_error, nothing queued
     pending_.push_back(std::move(commands));
-    freeing.swap(retired_);  // Note [Freed where allocated]: freed below, outside the lock
+    retired_.clear();  // Note [Freed where allocated]: freed on this thread (a few small blocks)
     // Counted before the worker can take it (it takes under this lock), so idle() never reports
     // idle while a submission is queued or running (Note [Inline replay] relies on it).
     submitted_.fetch_add(1, std::memory_order_seq_cst);
@@ -130,32 +131,33 @@ void CpuQueueWorker::submit(std::shared_ptr<const std::vector<CpuCommand>> comma
 // allocating thread finds its own cache empty and takes the same lock (and the heap's top,
 // trimmed and grown again, faults pages back in): perf put half of the submitting thread's time
 // in a pipelined eager exec in malloc and the kernel (page faults, futex calls of glibc's lock).
-// So the worker keeps the words it alone held (use count 1: no queue holds them, nor can one take
-// them again) and hands them back under the lock it takes anyway for the next batch; the next
-// submit takes them, and its thread frees them after unlocking. Words a queue still holds are
-// released at once, as before: the queue reuses them in place once unshared (Note [Queue
-// resubmission]). At most kMaxRetired wait so (a burst of eager queues followed by silence would
-// otherwise keep them all); past that the worker frees them. The worker also takes every queued
-// submission at once, one lock per batch.
+// So the worker keeps the small words it alone held (use count 1: no queue holds them, nor can one
+// take them again) and moves them into `retired_` under the lock it takes anyway for the next
+// batch; the next submit frees them, on a submitting thread. Both lists have their capacity
+// reserved once, each by the thread that uses it, so handing words over allocates nothing. At most
+// kMaxRetired submissions of at most kMaxRetiredCommands commands wait so (a burst of eager
+// queues and then silence keeps under 120 KiB per worker until the next submit); larger words,
+// and those past the bound, the worker frees. Words a queue still holds are released at once, as
+// before: the queue reuses them in place once unshared (Note [Queue resubmission]). The worker
+// also takes every queued submission at once, one lock per batch.
 void CpuQueueWorker::run() {
   ensure_alternate_signal_stack();  // Note [Fatal signals in kernels]
   std::uint64_t taken = 0;
   std::vector<std::shared_ptr<const std::vector<CpuCommand>>> batch, done;
+  done.reserve(kMaxRetired);  // Note [Freed where allocated]: never grown afterwards
   while (true) {
     // A pipelined producer submits again within microseconds: spin a little before sleeping
     // (Note [Adaptive spinning]: the budget shrinks when the producer does not come back soon).
     detail::adaptive_spin([&] { return submitted_.load(std::memory_order_acquire) != taken; });
     {
       std::unique_lock lock(mutex_);
-      if (retired_.empty()) {
-        retired_.swap(done);
-      } else if (retired_.size() + done.size() <= kMaxRetired) {
-        try {
-          retired_.insert(retired_.end(), std::make_move_iterator(done.begin()), std::make_move_iterator(done.end()));
-        } catch (...) {  // no memory: freed here after all (below, as `done` is cleared)
-        }
+      // Into the reserved capacity only: what does not fit (no submit came since) is freed here,
+      // as `done` is cleared.
+      for (auto& words : done) {
+        if (retired_.size() == kMaxRetired) break;
+        retired_.push_back(std::move(words));
       }
-      done.clear();  // what the submitting side did not take: freed here
+      done.clear();
       if (pending_.empty()) {
         sleeping_ = true;
         wake_.wait(lock, [&] { return !pending_.empty() || stop_; });
@@ -171,12 +173,8 @@ void CpuQueueWorker::run() {
       std::atomic_thread_fence(std::memory_order_seq_cst);
       while (blocked_.readers.load(std::memory_order_acquire) != 0) detail::cpu_relax();
       // The snapshot's release happens before the queue sees it unshared.
-      if (next.use_count() == 1 && done.size() < kMaxRetired) {
-        try {
-          done.push_back(std::move(next));
-        } catch (...) {  // no memory: freed here
-        }
-      }
+      if (next.use_count() == 1 && next->size() <= kMaxRetiredCommands && done.size() < kMaxRetired)
+        done.push_back(std::move(next));  // capacity reserved: no allocation, no throw
       next.reset();
       finished_.fetch_add(1, std::memory_order_release);
     }

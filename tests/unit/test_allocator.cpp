@@ -40,9 +40,10 @@ TEST_CASE("lru: reuse is last-in first-out per key", "[allocator]") {
   a.free(y, 256);
 }
 
-// Note [Bucket cache]: 300 keys over 64 cache slots, so keys share slots and evict each other's
-// cached bucket; every hit must still come from its own key's list, newest first.
-TEST_CASE("lru: hundreds of sizes and option sets each reuse their own memory last-in first-out", "[allocator]") {
+// Note [Bucket cache]: 2,000 keys over 64 cache slots, so keys share slots and evict each other's
+// cached bucket (keys that differ only in their options among them, about 16 pairs a run); every
+// hit must still come from its own key's list, newest first.
+TEST_CASE("lru: thousands of sizes and option sets each reuse their own memory last-in first-out", "[allocator]") {
   FakeAllocator a;
   std::mt19937_64 rng(fresh_seed());
   struct KeyState {
@@ -53,10 +54,10 @@ TEST_CASE("lru: hundreds of sizes and option sets each reuse their own memory la
   };
   std::vector<KeyState> keys;
   std::set<std::size_t> sizes;
-  while (sizes.size() < 150) sizes.insert(1 + rng() % 20000);
+  while (sizes.size() < 1000) sizes.insert(1 + rng() % 8192);
   for (const std::size_t size : sizes)  // each size with two option sets: keys that differ only there
     for (const bool host : {false, true}) keys.push_back(KeyState{size, BufferOptions{.host = host}, {}, {}});
-  for (int step = 0; step < 20000; ++step) {
+  for (int step = 0; step < 40000; ++step) {
     KeyState& k = keys[rng() % keys.size()];
     if (k.live.empty() || rng() % 2) {
       const Allocation got = a.alloc(k.size, k.options);

@@ -169,7 +169,7 @@ class CpuQueueWorker {
   // Run submissions whose words only the worker still held: the next submit takes them and frees
   // them on its own thread (Note [Freed where allocated]).
   std::vector<std::shared_ptr<const std::vector<CpuCommand>>> retired_;
-  static constexpr std::size_t kMaxRetired = 256;
+  static constexpr std::size_t kMaxRetired = 128, kMaxRetiredCommands = 8;
   std::atomic<std::uint64_t> submitted_{0};
   std::atomic<std::uint64_t> finished_{0};
   mutable BlockedOn blocked_;  // describe_blocked() announces itself as a reader
