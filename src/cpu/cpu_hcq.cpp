@@ -139,16 +139,19 @@ void CpuQueueWorker::submit(std::shared_ptr<const std::vector<CpuCommand>> comma
 // queues and then silence keeps under 120 KiB per worker until the next submit); larger words,
 // and those past the bound, the worker frees. Words a queue still holds are released at once, as
 // before: the queue reuses them in place once unshared (Note [Queue resubmission]). The worker
-// also takes every queued submission at once, one lock per batch.
+// still takes its lock once per submission: taking every queued submission at once (tried) left
+// the release of a graph's words to a queue that reuses them ordered only by an atomic fence
+// (HWCommandQueue::exclusive), which ThreadSanitizer does not model: it reported a race.
 void CpuQueueWorker::run() {
   ensure_alternate_signal_stack();  // Note [Fatal signals in kernels]
   std::uint64_t taken = 0;
-  std::vector<std::shared_ptr<const std::vector<CpuCommand>>> batch, done;
+  std::vector<std::shared_ptr<const std::vector<CpuCommand>>> done;
   done.reserve(kMaxRetired);  // Note [Freed where allocated]: never grown afterwards
   while (true) {
     // A pipelined producer submits again within microseconds: spin a little before sleeping
     // (Note [Adaptive spinning]: the budget shrinks when the producer does not come back soon).
     detail::adaptive_spin([&] { return submitted_.load(std::memory_order_acquire) != taken; });
+    std::shared_ptr<const std::vector<CpuCommand>> next;
     {
       std::unique_lock lock(mutex_);
       // Into the reserved capacity only: what does not fit (no submit came since) is freed here,
@@ -164,9 +167,10 @@ void CpuQueueWorker::run() {
         sleeping_ = false;
       }
       if (pending_.empty() && stop_) return;
-      batch.swap(pending_);  // every submission queued: one lock for all of them
+      next = std::move(pending_.front());
+      pending_.pop_front();
     }
-    for (auto& next : batch) {
+    {
       taken += 1;
       execute_commands(*next, 0, device_, lane_, /*blocking=*/true, &blocked_);
       // BlockedOn: running_name was cleared; a reader that read it before is seen here.
@@ -178,7 +182,6 @@ void CpuQueueWorker::run() {
       next.reset();
       finished_.fetch_add(1, std::memory_order_release);
     }
-    batch.clear();
   }
 }
 

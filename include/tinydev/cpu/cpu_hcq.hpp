@@ -16,6 +16,7 @@
 #pragma once
 
 #include <condition_variable>
+#include <deque>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -165,7 +166,7 @@ class CpuQueueWorker {
   std::string device_, lane_;
   mutable std::mutex mutex_;
   std::condition_variable wake_;
-  std::vector<std::shared_ptr<const std::vector<CpuCommand>>> pending_;
+  std::deque<std::shared_ptr<const std::vector<CpuCommand>>> pending_;
   // Run submissions whose words only the worker still held: the next submit takes them and frees
   // them on its own thread (Note [Freed where allocated]).
   std::vector<std::shared_ptr<const std::vector<CpuCommand>>> retired_;
