@@ -133,7 +133,7 @@ void CpuQueueWorker::submit(std::shared_ptr<const std::vector<CpuCommand>> comma
 // in a pipelined eager exec in malloc and the kernel (page faults, futex calls of glibc's lock).
 // So the worker keeps the small words it alone held (use count 1: no queue holds them, nor can one
 // take them again) and moves them into `retired_` under the lock it takes anyway for the next
-// batch; the next submit frees them, on a submitting thread. Both lists have their capacity
+// submission; the next submit frees them, on a submitting thread. Both lists have their capacity
 // reserved once, each by the thread that uses it, so handing words over allocates nothing. At most
 // kMaxRetired submissions of at most kMaxRetiredCommands commands wait so (a burst of eager
 // queues and then silence keeps under 120 KiB per worker until the next submit); larger words,
@@ -170,18 +170,16 @@ void CpuQueueWorker::run() {
       next = std::move(pending_.front());
       pending_.pop_front();
     }
-    {
-      taken += 1;
-      execute_commands(*next, 0, device_, lane_, /*blocking=*/true, &blocked_);
-      // BlockedOn: running_name was cleared; a reader that read it before is seen here.
-      std::atomic_thread_fence(std::memory_order_seq_cst);
-      while (blocked_.readers.load(std::memory_order_acquire) != 0) detail::cpu_relax();
-      // The snapshot's release happens before the queue sees it unshared.
-      if (next.use_count() == 1 && next->size() <= kMaxRetiredCommands && done.size() < kMaxRetired)
-        done.push_back(std::move(next));  // capacity reserved: no allocation, no throw
-      next.reset();
-      finished_.fetch_add(1, std::memory_order_release);
-    }
+    taken += 1;
+    execute_commands(*next, 0, device_, lane_, /*blocking=*/true, &blocked_);
+    // BlockedOn: running_name was cleared; a reader that read it before is seen here.
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    while (blocked_.readers.load(std::memory_order_acquire) != 0) detail::cpu_relax();
+    // The snapshot's release happens before the queue sees it unshared.
+    if (next.use_count() == 1 && next->size() <= kMaxRetiredCommands && done.size() < kMaxRetired)
+      done.push_back(std::move(next));  // capacity reserved: no allocation, no throw
+    next.reset();
+    finished_.fetch_add(1, std::memory_order_release);
   }
 }
 
