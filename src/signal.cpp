@@ -57,7 +57,8 @@ void spin_yield() noexcept { ::sched_yield(); }
 // writes the value and, only if someone is registered in `waiters` and the value reaches
 // `wake_at` (the smallest value a sleeper wants), resets wake_at, bumps wake_seq and wakes: the
 // common store (nobody asleep, or nobody whose value is reached) is one store and two loads, and
-// a graph bumping its signal once per node wakes its waiter once, at the value it waits for.
+// a graph bumping its signal at each switch between its queues wakes its waiter once, at the
+// value it waits for.
 // A sleeper registers in `waiters`, reads wake_seq, lowers wake_at to its value, re-checks the
 // value, and sleeps only while wake_seq is unchanged. All of these are seq_cst, so (Dekker) either
 // the store sees the registration (its wake_at load follows the sleeper's lowering) and wakes, or

@@ -36,6 +36,9 @@ template <class Q>
 concept HCQQueuePrimitives = requires(Q& q, const Signal& signal, std::uint64_t value, std::size_t cmd,
                                       const std::optional<Signal>& new_signal,
                                       const std::optional<std::uint64_t>& new_value, Compiled& device) {
+  // Every queue runs its commands in order: each finishes, its writes visible to the next, before
+  // the next starts (HCQGraph orders the nodes that share a queue by that alone: Note [HCQ graph
+  // replay]; a backend whose hardware overlaps launches or copies adds its barrier to each).
   // Required: when the queue reaches it, set `signal` to `value` (after everything before it in
   // the queue finished) and wake host waiters.
   q._signal(signal, value);

@@ -2,11 +2,19 @@
 //
 // Note [HCQ graph replay]
 // Recording builds one compute queue and one copy queue holding every node, with its own block of
-// kernel arguments: a copy of the graph. Each node waits on the graph's own signal reaching its
-// position and bumps it when done, so nodes run in recorded order across the two queues; the
-// compute queue starts by waiting for the device timeline (work submitted before the replay) and
-// ends by signalling it. A replay patches one copy in place: the signal values (every replay uses
-// fresh ones), the kernel-argument slots of inputs and variables that differ from what that copy
+// kernel arguments: a copy of the graph. Nodes run in recorded order: a queue runs its own in
+// order, and where the nodes change queues the graph's own signal orders them: the last node
+// before the switch sets it to the next node's position and the first after it waits for that
+// (tinygrad's graph, too, waits only for the other queues). Nodes between pass no signal, which
+// relies on a queue running its commands in order (hcq_concepts.hpp): a graph of 1,000 kernels
+// and no copies has two graph-signal stores (the prologue's and the last node's), and a replay
+// patches a handful of commands, not 2,000 (each a store into words the worker just read, on
+// another core): a replay of 1,000 CPU kernels went from 58-104 ns per node to 17-29
+// (docs/performance.md). The last node always sets the signal to the replay's base plus the node
+// count, which is how a copy's replay is known to be finished.
+// The compute queue starts by waiting for the device timeline (work submitted before the replay)
+// and ends by signalling it. A replay patches one copy in place: the signal values (every replay
+// uses fresh ones), the kernel-argument slots of inputs and variables that differ from what that copy
 // last ran with, and the copy commands whose inputs differ; then it submits both queues, the compute
 // queue first (submit_both says why; a submit snapshots the commands, so patching a queue whose
 // last run has not ended is safe). Kernel
@@ -20,7 +28,7 @@
 // previous one (double buffering); replays with new inputs queued behind work not yet run (a
 // stream held behind an event) get a copy each and return at once, up to kMaxCopies of them. A
 // store that bumps the graph's signal wakes only a waiter whose value it reaches (Note [Signal
-// waits]): no futex call per node.
+// waits]): no futex call per switch between queues.
 //
 // Requirements on Device: tinydev::HCQDevice (tinydev/hcq_concepts.hpp).
 #pragma once
@@ -149,6 +157,12 @@ class HCQGraph final : public Graph {
     compute_q.wait(device.timeline_signal(), 0).signal(signal_, 0);
     for (std::size_t i = 0; i < nodes_.size(); ++i) {
       NodeCommands cmds;
+      // Graph-signal commands only where the nodes change queues (Note [HCQ graph replay]): the
+      // first node on a queue after the other queue's waits, the last before the other queue's
+      // (and the graph's last node) signals. Node 0 follows the prologue, on the compute queue.
+      const bool here = on_compute(i);
+      const bool needs_wait = here != (i == 0 || on_compute(i - 1));
+      const bool needs_signal = i + 1 == nodes_.size() || here != on_compute(i + 1);
       if (auto* k = std::get_if<GraphKernel>(&nodes_[i])) {
         const auto* program = static_cast<const ProgramT*>(k->program.get());  // checked above
         Kernargs args{copy.kernargs_block.get() + kernarg_offsets_[i], static_cast<std::uint32_t>(k->buffers.size()),
@@ -163,12 +177,16 @@ class HCQGraph final : public Graph {
           else if (first_copy) variable_uses_.push_back({k->values[j].variable, copy.kernargs.size() - 1, j});
         }
         cmds.on_compute = true;
-        cmds.wait = compute_q.size();
-        compute_q.wait(signal_, 0);
+        if (needs_wait) {
+          cmds.wait = compute_q.size();
+          compute_q.wait(signal_, 0);
+        }
         cmds.op = compute_q.size();
         compute_q.exec(*program, args, k->launch.global, k->launch.local);
-        cmds.signal = compute_q.size();
-        compute_q.signal(signal_, 0);
+        if (needs_signal) {
+          cmds.signal = compute_q.size();
+          compute_q.signal(signal_, 0);
+        }
         cmds.kernargs = copy.kernargs.size() - 1;
       } else {
         auto& c = std::get<GraphCopy>(nodes_[i]);
@@ -176,17 +194,24 @@ class HCQGraph final : public Graph {
         if (first_copy && !c.src.fixed) input_uses_.push_back({c.src.input, i, 0, Use::copy_src});
         // Inputs are patched in before the first replay; record with placeholders of the right size.
         Allocation placeholder{0, c.size, nullptr};
-        cmds.wait = copy_q.size();
-        copy_q.wait(signal_, 0);
+        if (needs_wait) {
+          cmds.wait = copy_q.size();
+          copy_q.wait(signal_, 0);
+        }
         cmds.op = copy_q.size();
         copy_q.copy(c.dest.fixed ? *c.dest.fixed : placeholder, c.src.fixed ? *c.src.fixed : placeholder, c.size);
-        cmds.signal = copy_q.size();
-        copy_q.signal(signal_, 0);
+        if (needs_signal) {
+          cmds.signal = copy_q.size();
+          copy_q.signal(signal_, 0);
+        }
       }
       if (first_copy) commands_.push_back(cmds);
     }
-    epilogue_wait_ = compute_q.size();
-    compute_q.wait(signal_, 0);
+    // The compute queue ends the replay: after the copy queue's last node, if that is the last.
+    if (!nodes_.empty() && !on_compute(nodes_.size() - 1)) {
+      epilogue_wait_ = compute_q.size();
+      compute_q.wait(signal_, 0);
+    }
     epilogue_signal_ = compute_q.size();
     compute_q.signal(device.timeline_signal(), 0);
   }
@@ -228,13 +253,16 @@ class HCQGraph final : public Graph {
     compute_q.update_wait(0, device_.timeline_signal(), timeline - 1).update_signal(1, std::nullopt, base);
     for (std::size_t i = 0; i < nodes_.size(); ++i) {
       const NodeCommands& cmds = commands_[i];
-      if (cmds.on_compute)
-        compute_q.update_wait(cmds.wait, std::nullopt, base + i).update_signal(cmds.signal, std::nullopt, base + i + 1);
-      else
-        copy_q.update_wait(cmds.wait, std::nullopt, base + i).update_signal(cmds.signal, std::nullopt, base + i + 1);
+      if (cmds.on_compute) {
+        if (cmds.wait != kNone) compute_q.update_wait(cmds.wait, std::nullopt, base + i);
+        if (cmds.signal != kNone) compute_q.update_signal(cmds.signal, std::nullopt, base + i + 1);
+      } else {
+        if (cmds.wait != kNone) copy_q.update_wait(cmds.wait, std::nullopt, base + i);
+        if (cmds.signal != kNone) copy_q.update_signal(cmds.signal, std::nullopt, base + i + 1);
+      }
     }
-    compute_q.update_wait(epilogue_wait_, std::nullopt, base + nodes_.size())
-        .update_signal(epilogue_signal_, device_.timeline_signal(), timeline);
+    if (epilogue_wait_ != kNone) compute_q.update_wait(epilogue_wait_, std::nullopt, base + nodes_.size());
+    compute_q.update_signal(epilogue_signal_, device_.timeline_signal(), timeline);
     // Note [Inline replay] (src/cpu/cpu_hcq.cpp): a device may run a waited-for replay on the caller.
     bool ran_inline = false;
     if constexpr (requires(Device& d) { d.run_inline_if_idle(compute_q, copy_q, timeline - 1, lock); }) {
@@ -338,10 +366,13 @@ class HCQGraph final : public Graph {
     else return device.name();
   }
 
+  // A node's command indices in its queue; kNone: it has no such command (Note [HCQ graph replay]).
+  static constexpr std::size_t kNone = static_cast<std::size_t>(-1);
   struct NodeCommands {
     bool on_compute = false;
-    std::size_t wait = 0, op = 0, signal = 0, kernargs = 0;
+    std::size_t wait = kNone, op = 0, signal = kNone, kernargs = 0;
   };
+  bool on_compute(std::size_t node) const noexcept { return std::holds_alternative<GraphKernel>(nodes_[node]); }
   struct Use {
     std::size_t input, node, slot;
     enum Kind { kernarg, copy_dest, copy_src } kind;
@@ -358,7 +389,7 @@ class HCQGraph final : public Graph {
   std::vector<NodeCommands> commands_;
   std::vector<Use> input_uses_;
   std::vector<VarUse> variable_uses_;
-  std::size_t epilogue_wait_ = 0, epilogue_signal_ = 0;
+  std::size_t epilogue_wait_ = kNone, epilogue_signal_ = 0;
   std::uint64_t replays_ = 0;
   std::uint64_t last_replay_end_ = 0;
 };

@@ -35,9 +35,50 @@
 #include "tinydev/signal.hpp"
 #include "tinydev/export.hpp"
 
+#if defined(__SANITIZE_THREAD__)
+#define TINYDEV_TSAN 1
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+#define TINYDEV_TSAN 1
+#endif
+#endif
+#ifdef TINYDEV_TSAN
+extern "C" void __tsan_acquire(void* addr);
+extern "C" void __tsan_release(void* addr);
+#endif
+
 TINYDEV_API_BEGIN
 
 namespace tinydev {
+
+namespace detail {
+// Note [Snapshot release ordering]
+// A device drops its reference to a submitted snapshot once the snapshot's run ended; the queue
+// that recorded it writes those words in place once it sees them unshared (use_count() == 1, a
+// relaxed load, then an acquire fence: the drop's release decrement happens before the writes).
+// ThreadSanitizer does not model standalone fences, so it would report the device's last read of
+// the words against the queue's next patch. Under TSan the pair is told to it directly: a device
+// calls release_snapshot(words) before dropping them, and the queue acquires the same address.
+// Without TSan both are empty.
+inline void tsan_acquire([[maybe_unused]] const void* address) noexcept {
+#ifdef TINYDEV_TSAN
+  __tsan_acquire(const_cast<void*>(address));
+#endif
+}
+inline void tsan_release([[maybe_unused]] const void* address) noexcept {
+#ifdef TINYDEV_TSAN
+  __tsan_release(const_cast<void*>(address));
+#endif
+}
+}  // namespace detail
+
+// Drops a device's reference to a queue's submitted words after their run (Note [Snapshot release
+// ordering]): whatever the device read of them happens before the queue's next patch.
+template <class Words>
+void release_snapshot(std::shared_ptr<Words>& words) noexcept {
+  detail::tsan_release(words.get());
+  words.reset();
+}
 
 enum class CommandKind : std::uint8_t { signal, wait, timestamp, memory_barrier, exec, copy };
 constexpr std::string_view to_string(CommandKind kind) noexcept {
@@ -238,12 +279,16 @@ class HWCommandQueue {
 
   void exclusive() {
     if (q_.use_count() == 1) {
-      std::atomic_thread_fence(std::memory_order_acquire);  // the worker's release of its snapshot
-      return;                                               // happens before our writes
+      // The device's release of its snapshot happens before our writes (Note [Snapshot release
+      // ordering]).
+      std::atomic_thread_fence(std::memory_order_acquire);
+      detail::tsan_acquire(q_.get());
+      return;
     }
     for (Spare& spare : spares_) {
       if (spare.words.use_count() != 1) continue;
       std::atomic_thread_fence(std::memory_order_acquire);
+      detail::tsan_acquire(spare.words.get());
       if (spare.all_stale) {
         *spare.words = *q_;  // same size: no allocation
       } else {

@@ -44,7 +44,7 @@ struct alignas(64) SignalSlot {
   std::atomic<std::uint32_t> wake_seq{0};    // futex word: bumped when a store wakes sleepers
   std::atomic<std::uint32_t> waiters{0};     // sleeping host waiters (skip the wake syscall at 0)
   // The smallest value a sleeping waiter wants (UINT64_MAX: none): a store below it wakes nobody
-  // (Note [Signal waits]), so a graph bumping its signal per node makes no futex call per node.
+  // (Note [Signal waits]), so a graph bumping its signal between its queues makes no futex call each time.
   std::atomic<std::uint64_t> wake_at{~std::uint64_t{0}};
   std::atomic<std::uint32_t> poisoned{0};
   // Set by a pool whose slots a device writes without waking anyone (a GPU's stream memory

@@ -139,9 +139,7 @@ void CpuQueueWorker::submit(std::shared_ptr<const std::vector<CpuCommand>> comma
 // queues and then silence keeps under 120 KiB per worker until the next submit); larger words,
 // and those past the bound, the worker frees. Words a queue still holds are released at once, as
 // before: the queue reuses them in place once unshared (Note [Queue resubmission]). The worker
-// still takes its lock once per submission: taking every queued submission at once (tried) left
-// the release of a graph's words to a queue that reuses them ordered only by an atomic fence
-// (HWCommandQueue::exclusive), which ThreadSanitizer does not model: it reported a race.
+// still takes its lock once per submission.
 void CpuQueueWorker::run() {
   ensure_alternate_signal_stack();  // Note [Fatal signals in kernels]
   std::uint64_t taken = 0;
@@ -178,7 +176,7 @@ void CpuQueueWorker::run() {
     // The snapshot's release happens before the queue sees it unshared.
     if (next.use_count() == 1 && next->size() <= kMaxRetiredCommands && done.size() < kMaxRetired)
       done.push_back(std::move(next));  // capacity reserved: no allocation, no throw
-    next.reset();
+    release_snapshot(next);  // Note [Snapshot release ordering]
     finished_.fetch_add(1, std::memory_order_release);
   }
 }

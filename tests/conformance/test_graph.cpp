@@ -162,6 +162,40 @@ TEST_CASE("graph: back-to-back replays with new inputs and variables each comput
   });
 }
 
+// Note [HCQ graph replay]: graph-signal commands only where the nodes change queues. Each node
+// reads what the one before it wrote, so a node run early, on either queue, reads stale bytes;
+// runs of copies and of kernels, a copy first and last, and no nodes at all, replayed five times
+// without waiting (the CPU device's two workers, not the caller) with new inputs each time.
+TEST_CASE("graph: chains of copies and kernels that switch queues replay as eager without waiting", "[graph]") {
+  for_each_backend(Needs{.kernels = true, .cuda_too = true, .native_graphs = true}, [](Compiled& dev) {
+    const std::size_t n = 4096 + fresh_seed() % 4096;
+    auto add = dev.load_kernel("add", kernels::add_f32(dev.source_language()));
+    const GraphValue count = GraphValue::of(static_cast<std::int32_t>(n));
+    constexpr std::size_t kWork = 5;  // in(2) to in(6), written in turn
+    for (const std::string_view pattern : {"CCKKKCKCC", "KCCK", "C", "KKKK", "CKCKCK", "KKCCCK", ""}) {
+      INFO("nodes " << pattern << " (C: a copy, K: a kernel)");
+      std::vector<GraphNode> nodes;
+      for (std::size_t i = 0; i < pattern.size(); ++i) {
+        const GraphBuffer src = i == 0 ? in(0) : in(2 + (i - 1) % kWork), dest = in(2 + i % kWork);
+        if (pattern[i] == 'C') nodes.push_back(GraphCopy{dest, src, n * 4});
+        else nodes.push_back(GraphKernel{add, {dest, src, in(1)}, {count}});
+      }
+      auto native = dev.create_graph(nodes);
+      auto eager = make_eager_graph(dev, nodes);
+      const std::uint64_t seed = fresh_seed();
+      INFO("seed " << seed);
+      std::vector<Twin> twins;
+      for (int r = 0; r < 5; ++r) twins.emplace_back(dev, native->num_inputs(), n, seed + 10 * r);
+      // Every native replay first, so several are in flight at once on both queues (an eager
+      // replay's direct calls wait for the device's queued work).
+      for (int r = 0; r < 5; ++r) native->replay(twins[r].allocations(true), {}, /*wait=*/false);
+      for (int r = 0; r < 5; ++r) eager->replay(twins[r].allocations(false), {}, false);
+      dev.synchronize();
+      for (const Twin& t : twins) t.check_equal();
+    }
+  });
+}
+
 // Note [Inline replay]: a waited replay on an idle CPU device runs on the caller's thread.
 TEST_CASE("graph: a waited replay on an idle CPU device runs on the calling thread and others on the worker", "[graph]") {
   for_each_backend(Needs{.kernels = true, .host_objects = true, .native_graphs = true}, [](Compiled& dev) {
