@@ -133,23 +133,22 @@ void CpuQueueWorker::submit(std::shared_ptr<const std::vector<CpuCommand>> comma
 // in a pipelined eager exec in malloc and the kernel (page faults, futex calls of glibc's lock).
 // So the worker keeps the small words it alone held (use count 1: no queue holds them, nor can one
 // take them again) and moves them into `retired_` under the lock it takes anyway for the next
-// submission; the next submit frees them, on a submitting thread. Both lists have their capacity
+// batch; the next submit frees them, on a submitting thread. Both lists have their capacity
 // reserved once, each by the thread that uses it, so handing words over allocates nothing. At most
 // kMaxRetired submissions of at most kMaxRetiredCommands commands wait so (a burst of eager
 // queues and then silence keeps under 120 KiB per worker until the next submit); larger words,
 // and those past the bound, the worker frees. Words a queue still holds are released at once, as
 // before: the queue reuses them in place once unshared (Note [Queue resubmission]). The worker
-// still takes its lock once per submission.
+// also takes every queued submission at once, one lock per batch.
 void CpuQueueWorker::run() {
   ensure_alternate_signal_stack();  // Note [Fatal signals in kernels]
   std::uint64_t taken = 0;
-  std::vector<std::shared_ptr<const std::vector<CpuCommand>>> done;
+  std::vector<std::shared_ptr<const std::vector<CpuCommand>>> batch, done;
   done.reserve(kMaxRetired);  // Note [Freed where allocated]: never grown afterwards
   while (true) {
     // A pipelined producer submits again within microseconds: spin a little before sleeping
     // (Note [Adaptive spinning]: the budget shrinks when the producer does not come back soon).
     detail::adaptive_spin([&] { return submitted_.load(std::memory_order_acquire) != taken; });
-    std::shared_ptr<const std::vector<CpuCommand>> next;
     {
       std::unique_lock lock(mutex_);
       // Into the reserved capacity only: what does not fit (no submit came since) is freed here,
@@ -165,19 +164,20 @@ void CpuQueueWorker::run() {
         sleeping_ = false;
       }
       if (pending_.empty() && stop_) return;
-      next = std::move(pending_.front());
-      pending_.pop_front();
+      batch.swap(pending_);  // every submission queued: one lock for all of them
     }
-    taken += 1;
-    execute_commands(*next, 0, device_, lane_, /*blocking=*/true, &blocked_);
-    // BlockedOn: running_name was cleared; a reader that read it before is seen here.
-    std::atomic_thread_fence(std::memory_order_seq_cst);
-    while (blocked_.readers.load(std::memory_order_acquire) != 0) detail::cpu_relax();
-    // The snapshot's release happens before the queue sees it unshared.
-    if (next.use_count() == 1 && next->size() <= kMaxRetiredCommands && done.size() < kMaxRetired)
-      done.push_back(std::move(next));  // capacity reserved: no allocation, no throw
-    release_snapshot(next);  // Note [Snapshot release ordering]
-    finished_.fetch_add(1, std::memory_order_release);
+    for (auto& next : batch) {
+      taken += 1;
+      execute_commands(*next, 0, device_, lane_, /*blocking=*/true, &blocked_);
+      // BlockedOn: running_name was cleared; a reader that read it before is seen here.
+      std::atomic_thread_fence(std::memory_order_seq_cst);
+      while (blocked_.readers.load(std::memory_order_acquire) != 0) detail::cpu_relax();
+      if (next.use_count() == 1 && next->size() <= kMaxRetiredCommands && done.size() < kMaxRetired)
+        done.push_back(std::move(next));  // capacity reserved: no allocation, no throw
+      release_snapshot(next);  // Note [Snapshot release ordering]
+      finished_.fetch_add(1, std::memory_order_release);
+    }
+    batch.clear();
   }
 }
 

@@ -16,7 +16,6 @@
 #pragma once
 
 #include <condition_variable>
-#include <deque>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -166,7 +165,7 @@ class CpuQueueWorker {
   std::string device_, lane_;
   mutable std::mutex mutex_;
   std::condition_variable wake_;
-  std::deque<std::shared_ptr<const std::vector<CpuCommand>>> pending_;
+  std::vector<std::shared_ptr<const std::vector<CpuCommand>>> pending_;  // swapped out whole by the worker
   // Run submissions whose words only the worker still held: the next submit takes them and frees
   // them on its own thread (Note [Freed where allocated]).
   std::vector<std::shared_ptr<const std::vector<CpuCommand>>> retired_;
