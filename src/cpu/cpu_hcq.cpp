@@ -174,7 +174,8 @@ void CpuQueueWorker::run() {
       while (blocked_.readers.load(std::memory_order_acquire) != 0) detail::cpu_relax();
       if (next.use_count() == 1 && next->size() <= kMaxRetiredCommands && done.size() < kMaxRetired)
         done.push_back(std::move(next));  // capacity reserved: no allocation, no throw
-      release_snapshot(next);  // Note [Snapshot release ordering]
+      else
+        release_snapshot(next);  // Note [Snapshot release ordering]
       finished_.fetch_add(1, std::memory_order_release);
     }
     batch.clear();
