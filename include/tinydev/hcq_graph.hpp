@@ -163,6 +163,19 @@ class HCQGraph final : public Graph {
       const bool here = on_compute(i);
       const bool needs_wait = here != (i == 0 || on_compute(i - 1));
       const bool needs_signal = i + 1 == nodes_.size() || here != on_compute(i + 1);
+      // The node's command on its queue (either queue type), between those wait and signal.
+      const auto record_on = [&](auto& queue, auto&& command) {
+        if (needs_wait) {
+          cmds.wait = queue.size();
+          queue.wait(signal_, 0);
+        }
+        cmds.op = queue.size();
+        command(queue);
+        if (needs_signal) {
+          cmds.signal = queue.size();
+          queue.signal(signal_, 0);
+        }
+      };
       if (auto* k = std::get_if<GraphKernel>(&nodes_[i])) {
         const auto* program = static_cast<const ProgramT*>(k->program.get());  // checked above
         Kernargs args{copy.kernargs_block.get() + kernarg_offsets_[i], static_cast<std::uint32_t>(k->buffers.size()),
@@ -177,16 +190,7 @@ class HCQGraph final : public Graph {
           else if (first_copy) variable_uses_.push_back({k->values[j].variable, copy.kernargs.size() - 1, j});
         }
         cmds.on_compute = true;
-        if (needs_wait) {
-          cmds.wait = compute_q.size();
-          compute_q.wait(signal_, 0);
-        }
-        cmds.op = compute_q.size();
-        compute_q.exec(*program, args, k->launch.global, k->launch.local);
-        if (needs_signal) {
-          cmds.signal = compute_q.size();
-          compute_q.signal(signal_, 0);
-        }
+        record_on(compute_q, [&](ComputeQueue& q) { q.exec(*program, args, k->launch.global, k->launch.local); });
         cmds.kernargs = copy.kernargs.size() - 1;
       } else {
         auto& c = std::get<GraphCopy>(nodes_[i]);
@@ -194,16 +198,9 @@ class HCQGraph final : public Graph {
         if (first_copy && !c.src.fixed) input_uses_.push_back({c.src.input, i, 0, Use::copy_src});
         // Inputs are patched in before the first replay; record with placeholders of the right size.
         Allocation placeholder{0, c.size, nullptr};
-        if (needs_wait) {
-          cmds.wait = copy_q.size();
-          copy_q.wait(signal_, 0);
-        }
-        cmds.op = copy_q.size();
-        copy_q.copy(c.dest.fixed ? *c.dest.fixed : placeholder, c.src.fixed ? *c.src.fixed : placeholder, c.size);
-        if (needs_signal) {
-          cmds.signal = copy_q.size();
-          copy_q.signal(signal_, 0);
-        }
+        record_on(copy_q, [&](CopyQueue& q) {
+          q.copy(c.dest.fixed ? *c.dest.fixed : placeholder, c.src.fixed ? *c.src.fixed : placeholder, c.size);
+        });
       }
       if (first_copy) commands_.push_back(cmds);
     }
@@ -253,13 +250,12 @@ class HCQGraph final : public Graph {
     compute_q.update_wait(0, device_.timeline_signal(), timeline - 1).update_signal(1, std::nullopt, base);
     for (std::size_t i = 0; i < nodes_.size(); ++i) {
       const NodeCommands& cmds = commands_[i];
-      if (cmds.on_compute) {
-        if (cmds.wait != kNone) compute_q.update_wait(cmds.wait, std::nullopt, base + i);
-        if (cmds.signal != kNone) compute_q.update_signal(cmds.signal, std::nullopt, base + i + 1);
-      } else {
-        if (cmds.wait != kNone) copy_q.update_wait(cmds.wait, std::nullopt, base + i);
-        if (cmds.signal != kNone) copy_q.update_signal(cmds.signal, std::nullopt, base + i + 1);
-      }
+      const auto patch = [&](auto& queue) {  // either queue type
+        if (cmds.wait != kNone) queue.update_wait(cmds.wait, std::nullopt, base + i);
+        if (cmds.signal != kNone) queue.update_signal(cmds.signal, std::nullopt, base + i + 1);
+      };
+      if (cmds.on_compute) patch(compute_q);
+      else patch(copy_q);
     }
     if (epilogue_wait_ != kNone) compute_q.update_wait(epilogue_wait_, std::nullopt, base + nodes_.size());
     compute_q.update_signal(epilogue_signal_, device_.timeline_signal(), timeline);
