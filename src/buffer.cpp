@@ -294,8 +294,18 @@ void Buffer::ref(std::int64_t count) noexcept {
 }
 
 std::string Buffer::repr() const {
-  return fmt::format("<buf real:{} device:{} size:{} dtype:{}{}>", is_allocated(), device(), size(),
-                     dtype().name, is_view() ? fmt::format(" offset:{}", offset()) : "");
+  // The seed prints its options unless they are None; here the default options stand for None,
+  // and the flags set are listed by name.
+  std::string options_text;
+  const BufferOptions& o = options();
+  for (const auto& [set, name] : {std::pair{o.uncached, "uncached"}, std::pair{o.cpu_access, "cpu_access"},
+                                  std::pair{o.host, "host"}, std::pair{o.nolru, "nolru"}}) {
+    if (!set) continue;
+    options_text += options_text.empty() ? " options:" : ",";
+    options_text += name;
+  }
+  return fmt::format("<buf real:{} device:{} size:{} dtype:{}{}{}>", is_allocated(), device(), size(),
+                     dtype().name, is_view() ? fmt::format(" offset:{}", offset()) : "", options_text);
 }
 
 std::string_view to_string(CopyPath path) noexcept {

@@ -116,6 +116,8 @@ class Buffer {
   std::int64_t lb_refcount() const noexcept;
   void ref(std::int64_t count) noexcept;
 
+  // The seed's __repr__: "<buf real:true device:CPU size:8 dtype:float>", with " offset:N" for a
+  // view and " options:host,nolru" naming the options set (nothing for the default options).
   std::string repr() const;
 
  private:

@@ -201,6 +201,16 @@ TEST_CASE("buffer: lb_refcount lives on the base", "[buffer]") {
   CHECK(v.repr().find("offset:8") != std::string::npos);
 }
 
+TEST_CASE("buffer: repr lists the options set and nothing for the default ones", "[buffer]") {
+  fake_device();
+  const Buffer plain("fake", 8, dtypes::float32);
+  CHECK(plain.repr() == "<buf real:false device:FAKE size:8 dtype:float>");
+  const Buffer pinned("fake", 8, dtypes::float32, BufferOptions{.host = true, .nolru = true});
+  CHECK(pinned.repr() == "<buf real:false device:FAKE size:8 dtype:float options:host,nolru>");
+  const Buffer uncached("fake", 8, dtypes::float32, BufferOptions{.uncached = true, .cpu_access = true});
+  CHECK(uncached.repr().find(" options:uncached,cpu_access>") != std::string::npos);
+}
+
 TEST_CASE("dtype: sizes and names", "[buffer]") {
   CHECK(dtypes::all().size() == 13);
   CHECK(dtype_from_name("float32") == dtypes::float32);
