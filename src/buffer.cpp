@@ -294,10 +294,10 @@ void Buffer::ref(std::int64_t count) noexcept {
 }
 
 std::string Buffer::repr() const {
-  // The seed prints its options unless they are None; here the default options stand for None,
-  // and the flags set are listed by name.
+  // The seed prints a buffer's options unless they are None, and a view's are always None (a
+  // view uses its base's). Here the default options stand for None; the flags set are named.
   std::string options_text;
-  const BufferOptions& o = options();
+  const BufferOptions& o = is_view() ? BufferOptions{} : options();
   for (const auto& [set, name] : {std::pair{o.uncached, "uncached"}, std::pair{o.cpu_access, "cpu_access"},
                                   std::pair{o.host, "host"}, std::pair{o.nolru, "nolru"}}) {
     if (!set) continue;

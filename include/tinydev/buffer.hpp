@@ -116,8 +116,9 @@ class Buffer {
   std::int64_t lb_refcount() const noexcept;
   void ref(std::int64_t count) noexcept;
 
-  // The seed's __repr__: "<buf real:true device:CPU size:8 dtype:float>", with " offset:N" for a
-  // view and " options:host,nolru" naming the options set (nothing for the default options).
+  // tinydev's form of the seed's __repr__: "<buf real:true device:CPU size:8 dtype:float>", with
+  // " offset:N" for a view, and " options:host,nolru" naming the options set on a base buffer
+  // (nothing for the default options, nor for a view, whose options are the seed's None).
   std::string repr() const;
 
  private:

@@ -209,6 +209,7 @@ TEST_CASE("buffer: repr lists the options set and nothing for the default ones",
   CHECK(pinned.repr() == "<buf real:false device:FAKE size:8 dtype:float options:host,nolru>");
   const Buffer uncached("fake", 8, dtypes::float32, BufferOptions{.uncached = true, .cpu_access = true});
   CHECK(uncached.repr().find(" options:uncached,cpu_access>") != std::string::npos);
+  CHECK(pinned.view(1, dtypes::float32, 4).repr() == "<buf real:false device:FAKE size:1 dtype:float offset:4>");
 }
 
 TEST_CASE("dtype: sizes and names", "[buffer]") {
