@@ -453,13 +453,20 @@ std::vector<LoadedTensor> load_safetensors(const std::string& path, std::string_
       buffer.allocate();
       for (std::uint64_t off = 0; off < t.nbytes(); off += kPiece) {
         const std::uint64_t n = std::min(kPiece, t.nbytes() - off);
-        if (off == 0 && n == t.nbytes()) {
-          copy(buffer, file.view(static_cast<std::size_t>(t.numel()), t.dtype,
-                                 static_cast<std::size_t>(header.data_offset + t.begin)));
-        } else {
-          copy(buffer.view(static_cast<std::size_t>(n), dtypes::uint8, static_cast<std::size_t>(off)),
-               file.view(static_cast<std::size_t>(n), dtypes::uint8,
-                         static_cast<std::size_t>(header.data_offset + t.begin + off)));
+        try {
+          if (off == 0 && n == t.nbytes()) {
+            copy(buffer, file.view(static_cast<std::size_t>(t.numel()), t.dtype,
+                                   static_cast<std::size_t>(header.data_offset + t.begin)));
+          } else {
+            copy(buffer.view(static_cast<std::size_t>(n), dtypes::uint8, static_cast<std::size_t>(off)),
+                 file.view(static_cast<std::size_t>(n), dtypes::uint8,
+                           static_cast<std::size_t>(header.data_offset + t.begin + off)));
+          }
+        } catch (const IoError& e) {
+          // The DISK device names the file and the bytes; a user loading a model wants the tensor.
+          throw IoError(fmt::format("load_safetensors: tensor '{}' of {} (file bytes {} to {}) could not be read: {}",
+                                    quote_for_message(t.name), quote_for_message(path), header.data_offset + t.begin,
+                                    header.data_offset + t.end, e.what()));
         }
         p.bytes_done += n;
         if (progress && off + n < t.nbytes()) progress(p);

@@ -25,6 +25,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #ifdef TINYDEV_HAVE_LIBURING
@@ -49,6 +50,15 @@ std::uint64_t align_down(std::uint64_t v) { return v & ~(kPage - 1); }
 std::uint64_t align_up(std::uint64_t v) { return (v + kPage - 1) & ~(kPage - 1); }
 bool aligned(const void* p) { return (reinterpret_cast<std::uintptr_t>(p) & (kPage - 1)) == 0; }
 std::string os_error(int err) { return std::strerror(err); }
+
+// The IoError of a read of `length` bytes at `offset` that failed with `err`. EIO is the disk's
+// (or the file system's) own report that it could not read them, which strerror does not say.
+IoError read_failed(std::string_view who, std::size_t length, std::uint64_t offset, int err) {
+  return IoError(fmt::format("{}: reading {} bytes at offset {} failed: {}{}", who, length, offset, os_error(err),
+                             err == EIO ? " (the disk or file system could not read them: a failing disk, or a "
+                                          "network file system that went away?)"
+                                        : ""));
+}
 
 // Reads `length` bytes at `offset` with pread, retrying short reads and EINTR: the bytes read (fewer
 // only at the end of the file), or -errno.
@@ -210,16 +220,14 @@ class ReadQueue {
     if ((res == -EINVAL || res == -EAGAIN) && r.direct) res = pread_full(fds_.fd, r.dest, r.length, r.file_offset);
     try {
       if (res < 0)
-        throw IoError(fmt::format("{}: reading {} bytes at offset {} failed: {}", who_, r.length, r.file_offset,
-                                  os_error(static_cast<int>(-res))));
+        throw read_failed(who_, r.length, r.file_offset, static_cast<int>(-res));
       if (static_cast<std::uint64_t>(res) < r.needed) {
         // A short read: the rest with pread (the kernel may split a read), and the end of the
         // file if pread finds it too.
         const std::int64_t more = pread_full(fds_.fd, r.dest + res, r.needed - static_cast<std::size_t>(res),
                                              r.file_offset + static_cast<std::uint64_t>(res));
         if (more < 0)
-          throw IoError(fmt::format("{}: reading {} bytes at offset {} failed: {}", who_, r.length, r.file_offset,
-                                    os_error(static_cast<int>(-more))));
+          throw read_failed(who_, r.length, r.file_offset, static_cast<int>(-more));
         if (static_cast<std::uint64_t>(res + more) < r.needed) {
           struct stat st{};
           const long long size = ::fstat(fds_.fd, &st) == 0 ? static_cast<long long>(st.st_size) : -1;

@@ -13,7 +13,9 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <variant>
 
+#include "faulty_file.hpp"
 #include "hcq_support.hpp"
 #include "tinydev/safetensors.hpp"
 
@@ -164,6 +166,65 @@ TEST_CASE("disk: a file shorter than asked is an IoError that leaves the device 
       staged_copy.allocate().copyin(more);
       CHECK(read_back(staged_copy) == more);
     }
+  }, Needs{});
+}
+
+TEST_CASE("disk: a read the disk fails (EIO) is an IoError saying so that leaves the device the ring and other "
+          "buffers working", "[disk]") {
+  for_each_hcq_device([](auto& dev) {
+    const std::uint64_t seed = fresh_seed();
+    INFO("seed " << seed);
+    // One bad page in a 4 MiB file served by FUSE (faulty_file.hpp). The ranges read whole stay
+    // 256 KiB away from it, past any read-ahead request or page-cache folio that could take it in.
+    constexpr std::size_t kSize = 4u << 20, kBadBegin = (1u << 20) + 3 * 4096, kBadEnd = kBadBegin + 4096;
+    constexpr std::size_t kHeadEnd = kBadBegin - (256u << 10), kTailBegin = kBadEnd + (256u << 10) + 5;
+    auto mounted = FaultyFile::mount(random_bytes(kSize, seed), kBadBegin, kBadEnd);
+    if (const auto* why = std::get_if<std::string>(&mounted)) {
+      skip("no failing file to read: " + *why);
+      return;
+    }
+    FaultyFile& disk = *std::get<std::unique_ptr<FaultyFile>>(mounted);
+    const std::vector<std::byte>& data = disk.bytes();
+    StagingShapeRestore<std::remove_reference_t<decltype(dev)>> restore{dev};
+    const auto other_data = random_bytes(3 * 4096 + 7, seed + 1);  // a buffer the failures must not touch
+    Buffer other(dev.name(), other_data.size(), dtypes::uint8);
+    other.allocate().copyin(other_data);
+    for (const char* io : {"auto", "pread"}) {
+      ScopedOverride method("TINYDEV_DISK_IO", io);
+      for (bool staged : {false, true}) {
+        INFO(io << (staged ? " staged" : " direct"));
+        hcq_allocator(dev).set_force_staging(staged);
+        const std::uint64_t failed_before = disk.failed_reads();
+        {  // every DISK buffer goes before the next round: the file is closed with the last one
+          Buffer file("DISK:" + disk.path(), kSize, dtypes::uint8);
+          file.allocate();
+          Buffer dst(dev.name(), kSize, dtypes::uint8);
+          CHECK_THROWS_AS(copy(dst, file), IoError);
+          CHECK_THROWS_WITH(copy(dst, file), Catch::Contains(std::strerror(EIO)) && Catch::Contains("failing disk"));
+          std::vector<std::byte> host(3 * 4096);
+          Buffer over_bad = file.view(host.size(), dtypes::uint8, kBadBegin - 4096);
+          CHECK_THROWS_WITH(over_bad.allocate().copyout(host), Catch::Contains(std::strerror(EIO)));
+          // What lies before and after the bad page still reads, on the device and to the host.
+          Buffer head(dev.name(), kHeadEnd - 100, dtypes::uint8);
+          copy(head, file.view(kHeadEnd - 100, dtypes::uint8, 100));
+          CHECK(equal_at(read_back(head), data, 100));
+          Buffer tail(dev.name(), kSize - kTailBegin, dtypes::uint8);
+          copy(tail, file.view(kSize - kTailBegin, dtypes::uint8, kTailBegin));
+          CHECK(equal_at(read_back(tail), data, kTailBegin));
+          std::vector<std::byte> near(5000);
+          Buffer after_bad = file.view(near.size(), dtypes::uint8, kTailBegin + 4096);
+          after_bad.allocate().copyout(near);
+          CHECK(equal_at(near, data, kTailBegin + 4096));
+          // And the ring still stages.
+          const auto more = random_bytes((2u << 20) + 5, seed + 2);
+          Buffer staged_copy(dev.name(), more.size(), dtypes::uint8);
+          staged_copy.allocate().copyin(more);
+          CHECK(read_back(staged_copy) == more);
+        }
+        CHECK(disk.failed_reads() > failed_before);  // the errors came from the disk
+      }
+    }
+    CHECK(read_back(other) == other_data);
   }, Needs{});
 }
 
@@ -449,6 +510,47 @@ TEST_CASE("disk: a safetensors file of every dtype and many shapes loads equal t
     const auto loaded = load_safetensors(path, dev.name(), [&](const LoadProgress&) { ++calls; });
     CHECK(calls >= 3);
     CHECK(read_back(loaded.at(0).buffer) == big);
+  }, Needs{});
+}
+
+TEST_CASE("disk: a safetensors load from a failing disk is an IoError naming the tensor that frees what it loaded",
+          "[disk]") {
+  for_each_hcq_device([](auto& dev) {
+    TempDir dir;
+    std::uint64_t seed = fresh_seed();
+    INFO("seed " << seed);
+    const auto a = random_bytes(1u << 20, seed), b = random_bytes(3u << 20, seed + 1), c = random_bytes(1u << 20, seed + 2);
+    const SafetensorsEntry entries[] = {{"layer.0.weight", dtypes::float32, {1u << 18}, a},
+                                        {"layer.1.weight", dtypes::float16, {3u << 19}, b},
+                                        {"layer.2.weight", dtypes::uint8, {1u << 20}, c}};
+    const std::string path = dir.str() + "/model.safetensors";
+    write_safetensors(path, entries);
+    std::vector<std::byte> file_bytes(std::filesystem::file_size(path));
+    std::ifstream(path, std::ios::binary).read(reinterpret_cast<char*>(file_bytes.data()),
+                                               static_cast<std::streamsize>(file_bytes.size()));
+    // One bad page in the middle of the second tensor.
+    const SafetensorsHeader header = read_safetensors_header(path);
+    const std::uint64_t bad = (header.data_offset + header.tensors.at(1).begin + (3u << 19)) / 4096 * 4096;
+    auto mounted = FaultyFile::mount(file_bytes, bad, bad + 4096);
+    if (const auto* why = std::get_if<std::string>(&mounted)) {
+      skip("no failing file to read: " + *why);
+      return;
+    }
+    FaultyFile& disk = *std::get<std::unique_ptr<FaultyFile>>(mounted);
+    const std::uint64_t live_before = dev.allocator().stats().live_allocations;
+    CHECK_THROWS_AS(load_safetensors(disk.path(), dev.name()), IoError);
+    CHECK_THROWS_WITH(load_safetensors(disk.path(), dev.name()),
+                      Catch::Contains("tensor 'layer.1.weight'") && Catch::Contains(disk.path()) &&
+                          Catch::Contains(std::strerror(EIO)));
+    CHECK(disk.failed_reads() > 0);
+    // The first tensor's buffer, loaded before the failure, is freed with the others.
+    CHECK(dev.allocator().stats().live_allocations == live_before);
+    // The same model from a sound disk loads whole.
+    const auto loaded = load_safetensors(path, dev.name());
+    REQUIRE(loaded.size() == 3);
+    CHECK(read_back(loaded[0].buffer) == a);
+    CHECK(read_back(loaded[1].buffer) == b);
+    CHECK(read_back(loaded[2].buffer) == c);
   }, Needs{});
 }
 
