@@ -2,6 +2,7 @@
 // every HCQ device (staged through the ring and read straight in, with io_uring and with pread),
 // the file's life cycle and errors, shared memory, concurrent appends, and safetensors files
 // written here and loaded back.
+#include <dlfcn.h>
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
@@ -48,6 +49,23 @@ struct StagingShapeRestore {
     hcq_allocator(dev).set_force_staging(false);
     hcq_allocator(dev).set_staging_shape(HCQAllocator<Dev>::kDefaultBatchSize, HCQAllocator<Dev>::kDefaultBatchCount);
   }
+};
+
+// A setting of the fake CUDA driver (not one of tinydev's, so not a ScopedOverride), put back at
+// the end of the scope. The fake reads it at each call.
+struct FakeDriverSetting {
+  std::string name;
+  std::optional<std::string> was;
+  FakeDriverSetting(std::string variable, const std::string& value) : name(std::move(variable)) {
+    if (const char* old = std::getenv(name.c_str())) was = old;
+    ::setenv(name.c_str(), value.c_str(), 1);
+  }
+  ~FakeDriverSetting() {
+    if (was) ::setenv(name.c_str(), was->c_str(), 1);
+    else ::unsetenv(name.c_str());
+  }
+  FakeDriverSetting(const FakeDriverSetting&) = delete;
+  FakeDriverSetting& operator=(const FakeDriverSetting&) = delete;
 };
 
 }  // namespace
@@ -223,6 +241,49 @@ TEST_CASE("disk: a read the disk fails (EIO) is an IoError saying so that leaves
         }
         CHECK(disk.failed_reads() > failed_before);  // the errors came from the disk
       }
+    }
+    CHECK(read_back(other) == other_data);
+  }, Needs{});
+}
+
+TEST_CASE("disk: a read into CUDA whose staged copy cannot be queued faults the device naming the driver's error and "
+          "after recover() the ring goes on", "[disk]") {
+  for_each_hcq_device([](auto& dev) {
+    // Only the fake driver (tests/cuda/fake_driver) fails a call on demand.
+    const char* driver = std::getenv("TINYDEV_CUDA_DRIVER");
+    void* fake = driver && dev.name().starts_with("CUDA") ? ::dlopen(driver, RTLD_NOW | RTLD_NOLOAD) : nullptr;
+    auto* calls = fake ? reinterpret_cast<long (*)(const char*)>(::dlsym(fake, "fake_cuda_calls")) : nullptr;
+    if (fake) ::dlclose(fake);  // the backend keeps it loaded
+    if (!calls) {
+      skip("a copy submission fails on demand only on CUDA with the fake driver");
+      return;
+    }
+    TempDir dir;
+    const std::uint64_t seed = fresh_seed();
+    INFO("seed " << seed);
+    const auto data = random_bytes((6u << 20) + 11, seed);  // several staging slots
+    const std::string path = dir.str() + "/weights.bin";
+    write_file(path, data);
+    const auto other_data = random_bytes(70000, seed + 1);
+    Buffer other(dev.name(), other_data.size(), dtypes::uint8);
+    other.allocate().copyin(other_data);
+    StagingShapeRestore<std::remove_reference_t<decltype(dev)>> restore{dev};
+    hcq_allocator(dev).set_force_staging(true);
+    Buffer file("DISK:" + path, data.size(), dtypes::uint8);
+    file.allocate();
+    Buffer dst(dev.name(), data.size(), dtypes::uint8);
+    dst.allocate();
+    for (int round = 0; round < 2; ++round) {
+      INFO("round " << round);
+      {
+        // The second slot's copy fails to queue; the first slot's is queued by then.
+        FakeDriverSetting fail("FAKE_CUDA_FAIL", fmt::format("cuMemcpyAsync@{}=1", calls("cuMemcpyAsync") + 2));
+        CHECK_THROWS_WITH(copy(dst, file), Catch::Contains("cuMemcpyAsync") && Catch::Contains("CUDA_ERROR_INVALID_VALUE"));
+      }
+      CHECK_THROWS_AS(copy(dst, file), DeviceFault);
+      CHECK_THAT(dev.recover(std::chrono::seconds(10)), Catch::Contains("cuMemcpyAsync"));
+      CHECK(copy(dst, file) == CopyPath::copy_from_disk);
+      CHECK(read_back(dst) == data);
     }
     CHECK(read_back(other) == other_data);
   }, Needs{});

@@ -2878,3 +2878,40 @@ TEST_CASE("cuda fake: memory freed after a direct call that has not run is not h
   CHECK(again.allocation().va_addr == freed_at);
   dev->free_signal(gate);
 }
+
+TEST_CASE("cuda fake: a staged copyin or copyout whose copy submission fails faults the device naming the driver's error and after recover() the ring and other buffers go on", "[cuda][fake]") {
+  auto* dev = fake_hcq();
+  if (!dev) return;
+  const std::uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  const auto data = random_bytes((5u << 20) + 3, seed);  // three 2 MiB staging slots' worth
+  const auto other_data = random_bytes(70000, seed + 1);
+  Buffer other(dev->name(), other_data.size(), dtypes::uint8);
+  other.allocate().copyin(other_data);
+  Buffer b(dev->name(), data.size(), dtypes::uint8);
+  b.allocate();
+  std::vector<std::byte> back(data.size());
+  // The second chunk's copy cannot be queued (the first is queued by then); twice each, so that
+  // the ring turns over between failures.
+  for (const bool in : {true, false, true, false}) {
+    INFO((in ? "copyin" : "copyout"));
+    {
+      FakeEnv fail("FAKE_CUDA_FAIL", fmt::format("cuMemcpyAsync@{}=1", fake_calls("cuMemcpyAsync") + 2));
+      const auto run = [&] {
+        if (in) b.copyin(data);
+        else b.copyout(back);
+      };
+      CHECK_THROWS_WITH(run(), Catch::Contains("cuMemcpyAsync") && Catch::Contains("CUDA_ERROR_INVALID_VALUE"));
+    }
+    // Faulted: every copy says so until recover(), which names what it cleared.
+    CHECK_THROWS_AS(other.copyout(std::span(back).first(other_data.size())), DeviceFault);
+    CHECK_THAT(dev->recover(std::chrono::seconds(10)), Catch::Contains("cuMemcpyAsync"));
+    b.copyin(data);
+    std::fill(back.begin(), back.end(), std::byte{0x5a});
+    b.copyout(back);
+    CHECK(back == data);
+  }
+  std::vector<std::byte> other_back(other_data.size());
+  other.copyout(other_back);
+  CHECK(other_back == other_data);
+}
