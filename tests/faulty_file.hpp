@@ -1,7 +1,7 @@
 // tests/faulty_file.hpp: a file on a failing disk, for the DISK tests of I/O errors.
 //
-// FaultyFile mounts a small FUSE file system in this process (libfuse3, served on a thread of its
-// own) holding one read-only file of the bytes given. A read the kernel sends it that overlaps the
+// FaultyFile mounts a small FUSE file system (libfuse3, served by a child process: Note [A FUSE
+// server in a process of its own] in faulty_file.cpp) holding one read-only file of the bytes given. A read the kernel sends it that overlaps the
 // bad range fails with EIO, as a read of a bad sector does; every other read returns the bytes.
 // Nothing else can make a real read fail on demand: the kernel reports a disk's errors, and the
 // test machines have no faulty disk (nor device-mapper's "error" target).
@@ -28,14 +28,16 @@ class FaultyFile {
                                                                       std::uint64_t bad_begin, std::uint64_t bad_end);
   // Unmounts and removes the folder. Whoever still has the file open must have closed it (a DISK
   // device closes it with its last buffer): the kernel keeps a lazily unmounted file system
-  // served until then, and the destructor waits 10 s for that before it leaks the server thread.
+  // served until then, and the destructor waits 10 s for that before it kills the server (reads
+  // of the file then fail with ENOTCONN).
   ~FaultyFile();
   FaultyFile(const FaultyFile&) = delete;
   FaultyFile& operator=(const FaultyFile&) = delete;
 
   const std::string& path() const noexcept;
   const std::vector<std::byte>& bytes() const noexcept;
-  // Reads failed with EIO so far (the test's proof that the fault was reached). Thread-safe.
+  // Reads the server failed with EIO so far (the test's proof that the fault was reached).
+  // Thread-safe.
   std::uint64_t failed_reads() const noexcept;
 
   struct State;  // the file system's side, shared with its thread (faulty_file.cpp)

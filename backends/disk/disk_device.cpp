@@ -51,6 +51,17 @@ std::uint64_t align_up(std::uint64_t v) { return (v + kPage - 1) & ~(kPage - 1);
 bool aligned(const void* p) { return (reinterpret_cast<std::uintptr_t>(p) & (kPage - 1)) == 0; }
 std::string os_error(int err) { return std::strerror(err); }
 
+// The size of the file open as `fd` now (a block device's from lseek: fstat says 0 for it), or
+// nullopt when it cannot be had.
+std::optional<std::uint64_t> current_file_size(int fd) {
+  struct stat st{};
+  if (::fstat(fd, &st) != 0) return std::nullopt;
+  if (!S_ISBLK(st.st_mode)) return static_cast<std::uint64_t>(st.st_size);
+  const off_t end = ::lseek(fd, 0, SEEK_END);  // every read names its offset: the position is unused
+  if (end < 0) return std::nullopt;
+  return static_cast<std::uint64_t>(end);
+}
+
 // The IoError of a read of `length` bytes at `offset` that failed with `err`. EIO is the disk's
 // (or the file system's) own report that it could not read them, which strerror does not say.
 IoError read_failed(std::string_view who, std::size_t length, std::uint64_t offset, int err) {
@@ -229,12 +240,11 @@ class ReadQueue {
         if (more < 0)
           throw read_failed(who_, r.length, r.file_offset, static_cast<int>(-more));
         if (static_cast<std::uint64_t>(res + more) < r.needed) {
-          struct stat st{};
-          const long long size = ::fstat(fds_.fd, &st) == 0 ? static_cast<long long>(st.st_size) : -1;
+          const std::optional<std::uint64_t> size = current_file_size(fds_.fd);
           throw IoError(fmt::format("{}: the file ended at byte {} while reading bytes {} to {}: the file is {} "
                                     "bytes now, shorter than the buffer opened on it (was it truncated?)",
                                     who_, r.file_offset + static_cast<std::uint64_t>(res + more), r.file_offset,
-                                    r.file_offset + r.needed, size));
+                                    r.file_offset + r.needed, size ? fmt::format("{}", *size) : std::string("?")));
         }
       }
     } catch (...) {
@@ -629,6 +639,15 @@ class DiskAllocator final : public Allocator, public FileReader {
         return IoError(fmt::format("{}: a read of bytes {} to {} from the file's mapping failed at byte {}, and "
                                    "reading that byte again failed too: {}",
                                    file_.device(), offset, offset + size, at, std::strerror(error)));
+      // The byte reads now and the file still holds it: the page could not be read in, and the
+      // error did not repeat (a network file system; a large folio, read in whole, with one bad
+      // block in it). Not a truncation.
+      const std::optional<std::uint64_t> now = current_file_size(fds.fd);
+      if (r == 1 && now && static_cast<std::uint64_t>(at) < *now)
+        return IoError(fmt::format("{}: an I/O error while bytes {} to {} were copied from the file's mapping: the "
+                                   "page of byte {} could not be read in, though the file holds it and it reads now "
+                                   "(an error of the disk or file system that did not repeat?); read it again",
+                                   file_.device(), offset, offset + size, at));
     }
     return IoError(fmt::format("{}: the file shrank while bytes {} to {} were copied from it (another process "
                                "truncated it?)",
