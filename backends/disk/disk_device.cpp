@@ -639,14 +639,16 @@ class DiskAllocator final : public Allocator, public FileReader {
         return IoError(fmt::format("{}: a read of bytes {} to {} from the file's mapping failed at byte {}, and "
                                    "reading that byte again failed too: {}",
                                    file_.device(), offset, offset + size, at, std::strerror(error)));
-      // The byte reads now and the file still holds it: the page could not be read in, and the
-      // error did not repeat (a network file system; a large folio, read in whole, with one bad
-      // block in it). Not a truncation.
+      // The byte reads now and the file holds it: either the file was cut and written again
+      // between the fault and this read, or reading the page in failed once (a network file
+      // system; a large folio, read in whole, with one bad block in it). Nothing tells the two
+      // apart afterwards, so the message names both.
       const std::optional<std::uint64_t> now = current_file_size(fds.fd);
       if (r == 1 && now && static_cast<std::uint64_t>(at) < *now)
-        return IoError(fmt::format("{}: an I/O error while bytes {} to {} were copied from the file's mapping: the "
-                                   "page of byte {} could not be read in, though the file holds it and it reads now "
-                                   "(an error of the disk or file system that did not repeat?); read it again",
+        return IoError(fmt::format("{}: bytes {} to {} could not be copied from the file's mapping: the page of byte {} "
+                                   "could not be read in, yet the file holds that byte now: the file shrank and grew "
+                                   "again meanwhile (another process rewriting it?), or the disk or file system "
+                                   "failed once (a network file system?); read it again",
                                    file_.device(), offset, offset + size, at));
     }
     return IoError(fmt::format("{}: the file shrank while bytes {} to {} were copied from it (another process "
