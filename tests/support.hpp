@@ -14,6 +14,7 @@
 #include <fstream>
 #include <iterator>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <thread>
 #include <string>
@@ -52,6 +53,23 @@ inline std::vector<float> random_floats(std::size_t n, std::uint64_t seed, float
   for (float& x : out) x = dist(rng);
   return out;
 }
+
+// Sets an environment variable that is not a TINYDEV_* setting (ScopedOverride takes only those):
+// a fake driver's, or the driver's, for a scope, then restores what it was.
+struct ScopedEnvironmentVariable {
+  std::string name;
+  std::optional<std::string> was;
+  ScopedEnvironmentVariable(std::string variable, const std::string& value) : name(std::move(variable)) {
+    if (const char* old = std::getenv(name.c_str())) was = old;
+    ::setenv(name.c_str(), value.c_str(), 1);
+  }
+  ~ScopedEnvironmentVariable() {
+    if (was) ::setenv(name.c_str(), was->c_str(), 1);
+    else ::unsetenv(name.c_str());
+  }
+  ScopedEnvironmentVariable(const ScopedEnvironmentVariable&) = delete;
+  ScopedEnvironmentVariable& operator=(const ScopedEnvironmentVariable&) = delete;
+};
 
 // Opens `gate` (sets it to 1) when it goes out of scope: a test that fails before it opens the
 // gate leaves no queued work waiting for it for good (nor a graph's destructor for 30 s).

@@ -57,23 +57,6 @@ struct StagingShapeRestore {
   }
 };
 
-// A setting of the fake CUDA driver (not one of tinydev's, so not a ScopedOverride), put back at
-// the end of the scope. The fake reads it at each call.
-struct FakeDriverSetting {
-  std::string name;
-  std::optional<std::string> was;
-  FakeDriverSetting(std::string variable, const std::string& value) : name(std::move(variable)) {
-    if (const char* old = std::getenv(name.c_str())) was = old;
-    ::setenv(name.c_str(), value.c_str(), 1);
-  }
-  ~FakeDriverSetting() {
-    if (was) ::setenv(name.c_str(), was->c_str(), 1);
-    else ::unsetenv(name.c_str());
-  }
-  FakeDriverSetting(const FakeDriverSetting&) = delete;
-  FakeDriverSetting& operator=(const FakeDriverSetting&) = delete;
-};
-
 }  // namespace
 
 TEST_CASE("disk: copies from a file are byte-exact at offsets 314 991 2048 4096 and 64 MiB at 0 and 551", "[disk]") {
@@ -283,7 +266,7 @@ TEST_CASE("disk: a read into CUDA whose staged copy cannot be queued faults the 
       INFO("round " << round);
       {
         // The second slot's copy fails to queue; the first slot's is queued by then.
-        FakeDriverSetting fail("FAKE_CUDA_FAIL", fmt::format("cuMemcpyAsync@{}=1", calls("cuMemcpyAsync") + 2));
+        ScopedEnvironmentVariable fail("FAKE_CUDA_FAIL", fmt::format("cuMemcpyAsync@{}=1", calls("cuMemcpyAsync") + 2));
         CHECK_THROWS_WITH(copy(dst, file), Catch::Contains("cuMemcpyAsync") && Catch::Contains("CUDA_ERROR_INVALID_VALUE"));
       }
       CHECK_THROWS_AS(copy(dst, file), DeviceFault);

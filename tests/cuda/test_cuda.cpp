@@ -561,24 +561,8 @@ TEST_CASE("cuda gpu: a graph's copy node of more than 2 GiB copies every byte ra
 
 namespace {
 
-// Sets an environment variable (the fake driver's, or the driver's: not a TINYDEV_* setting) for a
-// scope, then restores what it was.
-struct FakeEnv {
-  std::string name;
-  std::optional<std::string> was;
-  FakeEnv(std::string n, const std::string& value) : name(std::move(n)) {
-    if (const char* old = std::getenv(name.c_str())) was = old;
-    ::setenv(name.c_str(), value.c_str(), 1);
-  }
-  ~FakeEnv() {
-    if (was)
-      ::setenv(name.c_str(), was->c_str(), 1);
-    else
-      ::unsetenv(name.c_str());
-  }
-  FakeEnv(const FakeEnv&) = delete;
-  FakeEnv& operator=(const FakeEnv&) = delete;
-};
+// The fake driver's settings (FAKE_CUDA_FAIL and the others), for a scope.
+using FakeEnv = ScopedEnvironmentVariable;
 
 // Collects the messages of `levels` (warnings unless told) logged in its scope; the log sink is
 // reset when it goes.
