@@ -125,7 +125,8 @@ int fs_readdir(const char* path, void* entries, fuse_fill_dir_t fill, off_t, fus
   fuse_args args = FUSE_ARGS_INIT(1, argv);
   fuse* fs = fuse_new(&args, &ops, sizeof ops, &s);
   if (!fs) fail("fuse_new failed (see its message above)");
-  if (fuse_mount(fs, s.folder.c_str()) != 0) fail("fuse_mount failed (see its message above): mounting is not allowed here?");
+  if (fuse_mount(fs, s.folder.c_str()) != 0)
+    fail("fuse_mount failed (see its message above): mounting is not allowed here?");
   const char mounted = 0;
   ::write(ready, &mounted, 1);
   ::close(ready);
@@ -167,7 +168,8 @@ std::variant<std::unique_ptr<FaultyFile>, std::string> FaultyFile::mount(std::ve
   // fusermount3, which this fixture does not drive.
   if (::geteuid() != 0) return std::string("mounting the FUSE file system of a failing file needs root here");
   if (::access("/dev/fuse", R_OK | W_OK) != 0)
-    return "/dev/fuse cannot be opened (" + std::string(std::strerror(errno)) + "): no FUSE in this kernel or container";
+    return "/dev/fuse cannot be opened (" + std::string(std::strerror(errno)) +
+           "): no FUSE in this kernel or container";
   const std::string prefix = (std::filesystem::temp_directory_path() / "tinydev-faulty-").string();
   remove_dead_mounts(prefix);
   auto s = std::make_unique<State>();

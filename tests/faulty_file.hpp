@@ -1,12 +1,13 @@
 // tests/faulty_file.hpp: a file on a failing disk, for the DISK tests of I/O errors.
 //
 // FaultyFile mounts a small FUSE file system (libfuse3, served by a child process: Note [A FUSE
-// server in a process of its own] in faulty_file.cpp) holding one read-only file of the bytes given. A read the kernel sends it that overlaps the
-// bad range fails with EIO, as a read of a bad sector does; every other read returns the bytes.
-// Nothing else can make a real read fail on demand: the kernel reports a disk's errors, and the
-// test machines have no faulty disk (nor device-mapper's "error" target).
+// server in a process of its own] in faulty_file.cpp) holding one read-only file of the bytes
+// given. A read the kernel sends it that overlaps the bad range fails with EIO, as a read of a bad
+// sector does; every other read returns the bytes. Nothing else can make a real read fail on
+// demand: the kernel reports a disk's errors, and the test machines have no faulty disk (nor
+// device-mapper's "error" target).
 //
-// Mounting needs libfuse3 at build time, /dev/fuse, and the right to mount (root, or fusermount3):
+// Mounting needs libfuse3 at build time, /dev/fuse and root (the fixture unmounts with umount2):
 // where any is missing, mount() says which, and the test skips with that reason.
 #pragma once
 

@@ -645,10 +645,10 @@ class DiskAllocator final : public Allocator, public FileReader {
       // apart afterwards, so the message names both.
       const std::optional<std::uint64_t> now = current_file_size(fds.fd);
       if (r == 1 && now && static_cast<std::uint64_t>(at) < *now)
-        return IoError(fmt::format("{}: bytes {} to {} could not be copied from the file's mapping: the page of byte {} "
-                                   "could not be read in, yet the file holds that byte now: the file shrank and grew "
-                                   "again meanwhile (another process rewriting it?), or the disk or file system "
-                                   "failed once (a network file system?); read it again",
+        return IoError(fmt::format("{}: bytes {} to {} could not be copied from the file's mapping: the page of "
+                                   "byte {} could not be read in, yet the file holds that byte now: the file shrank "
+                                   "and grew again meanwhile (another process rewriting it?), or the disk or file "
+                                   "system failed once (a network file system?); read it again",
                                    file_.device(), offset, offset + size, at));
     }
     return IoError(fmt::format("{}: the file shrank while bytes {} to {} were copied from it (another process "
