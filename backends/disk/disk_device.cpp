@@ -51,15 +51,20 @@ std::uint64_t align_up(std::uint64_t v) { return (v + kPage - 1) & ~(kPage - 1);
 bool aligned(const void* p) { return (reinterpret_cast<std::uintptr_t>(p) & (kPage - 1)) == 0; }
 std::string os_error(int err) { return std::strerror(err); }
 
-// The size of the file open as `fd` now (a block device's from lseek: fstat says 0 for it), or
-// nullopt when it cannot be had.
-std::optional<std::uint64_t> current_file_size(int fd) {
-  struct stat st{};
-  if (::fstat(fd, &st) != 0) return std::nullopt;
+// The size of the file open as `fd`, whose fstat is `st`: a block device's from lseek (fstat
+// says 0 for it); nullopt where lseek fails.
+std::optional<std::uint64_t> file_size(int fd, const struct stat& st) {
   if (!S_ISBLK(st.st_mode)) return static_cast<std::uint64_t>(st.st_size);
   const off_t end = ::lseek(fd, 0, SEEK_END);  // every read names its offset: the position is unused
   if (end < 0) return std::nullopt;
   return static_cast<std::uint64_t>(end);
+}
+
+// The size of the file open as `fd` now, or nullopt when it cannot be had.
+std::optional<std::uint64_t> current_file_size(int fd) {
+  struct stat st{};
+  if (::fstat(fd, &st) != 0) return std::nullopt;
+  return file_size(fd, st);
 }
 
 // The IoError of a read of `length` bytes at `offset` that failed with `err`. EIO is the disk's
@@ -427,11 +432,11 @@ class DiskFile {
                                 device_));
     struct stat st{};
     if (::fstat(fd_, &st) != 0) throw IoError(fmt::format("{}: fstat failed: {}", device_, os_error(errno)));
-    const std::uint64_t file_size = file_size_locked(st);
-    if (size > file_size || offset > file_size - size)
+    const std::uint64_t bytes = file_size(fd_, st).value_or(0);
+    if (size > bytes || offset > bytes - size)
       throw IoError(fmt::format("{}: reading bytes {} to {}, but the file is {} bytes: it is shorter than the "
                                 "buffer opened on it; open a smaller buffer or check the file",
-                                device_, offset, offset + size, file_size));
+                                device_, offset, offset + size, bytes));
     return FileFds{fd_, direct_fd_, map_, map_bytes_};
   }
 
@@ -476,13 +481,6 @@ class DiskFile {
   }
 
  private:
-  std::uint64_t file_size_locked(const struct stat& st) const {
-    if (S_ISBLK(st.st_mode)) {
-      const off_t end = ::lseek(fd_, 0, SEEK_END);
-      return end < 0 ? 0 : static_cast<std::uint64_t>(end);
-    }
-    return static_cast<std::uint64_t>(st.st_size);
-  }
 
   int open_path(int flags, mode_t mode) const {
     return shm_ ? ::shm_open(shm_name_.c_str(), flags, mode) : ::open(path_.c_str(), flags, mode);

@@ -581,7 +581,7 @@ TEST_CASE("disk: a safetensors load from a failing disk is an IoError naming the
     // One bad page in the middle of the second tensor.
     const SafetensorsHeader header = read_safetensors_header(path);
     const std::uint64_t bad = (header.data_offset + header.tensors.at(1).begin + (3u << 19)) / 4096 * 4096;
-    auto mounted = FaultyFile::mount(file_bytes, bad, bad + 4096);
+    auto mounted = FaultyFile::mount(std::move(file_bytes), bad, bad + 4096);
     if (const auto* why = std::get_if<std::string>(&mounted)) {
       skip("no failing file to read: " + *why);
       return;
