@@ -6,6 +6,7 @@
 // flight, O_DIRECT where the file system allows it), or pread where io_uring cannot work.
 #include <fcntl.h>
 #include <fmt/format.h>
+#include <pthread.h>
 #include <setjmp.h>
 #include <signal.h>
 #include <sys/mman.h>
@@ -96,33 +97,94 @@ std::int64_t pread_full(int fd, std::byte* dest, std::size_t length, std::uint64
 // A ring is set up once per thread that reads (not per read: a safetensors file of a thousand
 // small tensors would pay for a thousand rings) and torn down when the thread exits. A ring is
 // not shared between threads, so reads on two threads never wait for each other's completions.
-// A ring inherited through fork() belongs to the parent: the child makes its own. If io_uring
-// cannot be set up (an old kernel, seccomp, a container that forbids it), the process says so
-// once and reads with pread from then on.
+//
+// fork(): a child inherits every thread's ring (the descriptor and the mappings of the queues,
+// which are shared with the parent) but none of the threads that own them, so no thread exit
+// would ever tear those down: a server that forks workers after loading weights would leave
+// each worker holding the parent's rings, and the parent's rings alive as long as any worker.
+// Every ring is therefore listed, and a pthread_atfork child handler unmaps and closes the
+// child's copies (which leaves the parent's rings as they are: munmap and close act on the
+// child's own mappings and descriptor). A thread of the child that reads sets up its own ring.
+//
+// Setup failures: ENOSYS, EPERM, EACCES and EINVAL say io_uring cannot work in this process (an
+// old kernel, seccomp, a container or the io_uring_disabled sysctl that forbids it): the process
+// says so once and reads with pread from then on. Any other (EMFILE, ENFILE, ENOMEM, EAGAIN: out
+// of descriptors or locked memory for the moment) costs only that read, which uses pread; the
+// thread's next read tries again.
 #ifdef TINYDEV_HAVE_LIBURING
-std::atomic<int> g_uring_error{0};  // the errno of a failed io_uring setup, once one failed
+std::atomic<int> g_uring_error{0};            // the errno of a setup that said io_uring cannot work here
+std::atomic<int> g_uring_passing_error{0};    // the errno of the latest setup that failed for the moment
+std::atomic<bool> g_uring_passing_said{false};
+
+bool uring_cannot_work(int err) { return err == ENOSYS || err == EPERM || err == EACCES || err == EINVAL; }
+
+struct ThreadRing;
+// Every set-up ring of the process, for the fork handler. Leaked on purpose: threads, whose
+// rings leave the list as they exit, may outlive static destruction.
+struct RingList {
+  std::mutex mutex;
+  std::vector<ThreadRing*> rings;
+};
+RingList& ring_list() {
+  static RingList* list = new RingList;
+  return *list;
+}
+void forget_rings_in_child();
 
 struct ThreadRing {
   io_uring ring{};
-  pid_t owner = 0;  // 0: not set up
-  ~ThreadRing() {
-    if (owner == ::getpid()) io_uring_queue_exit(&ring);
+  bool ready = false;
+  ~ThreadRing() { release(); }
+  void release() {
+    if (!ready) return;
+    {
+      std::lock_guard lock(ring_list().mutex);
+      std::erase(ring_list().rings, this);
+    }
+    io_uring_queue_exit(&ring);
+    ready = false;
   }
   io_uring* get() {
-    if (owner == ::getpid()) return &ring;
+    if (ready) return &ring;
     if (g_uring_error.load(std::memory_order_relaxed) != 0) return nullptr;
-    if (owner != 0) owner = 0;  // the parent's ring, inherited through fork: not ours to use or tear down
+    static std::once_flag fork_handler;
+    std::call_once(fork_handler, [] {
+      pthread_atfork([] { ring_list().mutex.lock(); }, [] { ring_list().mutex.unlock(); }, &forget_rings_in_child);
+    });
     const int rc = io_uring_queue_init(kRingEntries, &ring, 0);
     if (rc < 0) {
-      if (g_uring_error.exchange(-rc) == 0)
-        debug_log(1, "DISK", "io_uring is not available here ({}): reading with pread", os_error(-rc));
+      const int err = -rc;
+      if (uring_cannot_work(err)) {
+        if (g_uring_error.exchange(err) == 0)
+          debug_log(1, "DISK", "io_uring is not available here ({}): reading with pread", os_error(err));
+      } else {
+        g_uring_passing_error.store(err, std::memory_order_relaxed);
+        debug_log(g_uring_passing_said.exchange(true) ? 2 : 1, "DISK",
+                  "setting up an io_uring ring failed for now ({}): this read uses pread, the next tries again",
+                  os_error(err));
+      }
       return nullptr;
     }
-    owner = ::getpid();
+    g_uring_passing_error.store(0, std::memory_order_relaxed);
+    std::lock_guard lock(ring_list().mutex);
+    ring_list().rings.push_back(this);
+    ready = true;
     return &ring;
   }
 };
 thread_local ThreadRing t_ring;
+
+// The pthread_atfork child handler (Note [One ring per thread]): the list's mutex is held (by
+// the prepare handler, on this thread), and this is the child's only thread.
+void forget_rings_in_child() {
+  RingList& list = ring_list();
+  for (ThreadRing* r : list.rings) {
+    io_uring_queue_exit(&r->ring);
+    r->ready = false;
+  }
+  list.rings.clear();
+  list.mutex.unlock();
+}
 #endif
 
 // The io_uring ring of this thread, or nullptr (pread) when TINYDEV_DISK_IO=pread or io_uring
@@ -139,6 +201,8 @@ std::string describe_io_method() {
 #ifdef TINYDEV_HAVE_LIBURING
   if (int err = g_uring_error.load(std::memory_order_relaxed))
     return fmt::format("pread (io_uring is not available here: {})", os_error(err));
+  if (int err = g_uring_passing_error.load(std::memory_order_relaxed))
+    return fmt::format("io_uring (the latest ring setup failed for now, {}: that read used pread)", os_error(err));
   return "io_uring";
 #else
   return "pread (this build has no liburing)";

@@ -5,16 +5,22 @@
 #include <dlfcn.h>
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <condition_variable>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <mutex>
+#include <thread>
 #include <variant>
+
+#include <fmt/format.h>
 
 #include "faulty_file.hpp"
 #include "hcq_support.hpp"
@@ -56,6 +62,55 @@ struct StagingShapeRestore {
     }
   }
 };
+
+// The io_uring rings this process holds, as /proc/self shows them: descriptors and mappings.
+struct RingHandles {
+  int descriptors = 0, mappings = 0;
+};
+RingHandles ring_handles() {
+  RingHandles h;
+  for (const auto& entry : std::filesystem::directory_iterator("/proc/self/fd")) {
+    std::error_code ec;
+    const auto target = std::filesystem::read_symlink(entry.path(), ec);
+    if (!ec && target.string().find("io_uring") != std::string::npos) h.descriptors += 1;
+  }
+  std::ifstream maps("/proc/self/maps");
+  for (std::string line; std::getline(maps, line);)
+    if (line.find("io_uring") != std::string::npos) h.mappings += 1;
+  return h;
+}
+
+// Drops the file's pages from the page cache, so that DISK reads of it go to the disk (io_uring
+// or pread) instead of copying from the mapping. False where the kernel kept any of them (pages
+// some process has mapped stay).
+bool evict_from_page_cache(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return false;
+  struct stat st{};
+  bool evicted = ::fsync(fd) == 0 && ::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED) == 0 && ::fstat(fd, &st) == 0;
+  if (evicted && st.st_size > 0) {
+    void* map = ::mmap(nullptr, static_cast<std::size_t>(st.st_size), PROT_READ, MAP_SHARED, fd, 0);
+    if (map == MAP_FAILED) {
+      evicted = false;
+    } else {
+      std::vector<unsigned char> in_core((static_cast<std::size_t>(st.st_size) + 4095) / 4096);
+      evicted = ::mincore(map, static_cast<std::size_t>(st.st_size), in_core.data()) == 0 &&
+                std::none_of(in_core.begin(), in_core.end(), [](unsigned char c) { return c & 1; });
+      ::munmap(map, static_cast<std::size_t>(st.st_size));
+    }
+  }
+  ::close(fd);
+  return evicted;
+}
+// The whole of a DISK buffer read into page-aligned host memory: its reads are O_DIRECT and
+// leave nothing in the page cache (a buffered read's read-ahead would, and a later read would
+// copy those pages from the mapping, which keeps them there).
+bool reads_back_as(const Buffer& file, const std::vector<std::byte>& data) {
+  const std::unique_ptr<std::byte, decltype(&std::free)> host(
+      static_cast<std::byte*>(std::aligned_alloc(4096, (data.size() + 4095) / 4096 * 4096)), &std::free);
+  file.copyout(std::span(host.get(), data.size()));
+  return std::memcmp(host.get(), data.data(), data.size()) == 0;
+}
 
 }  // namespace
 
@@ -470,6 +525,144 @@ TEST_CASE("disk: a read-only file opens read-only and a write to it is a clear e
   REQUIRE(::waitpid(child, &status, 0) == child);
   REQUIRE(WIFEXITED(status));
   CHECK(WEXITSTATUS(status) == 0);
+}
+
+// Note [One ring per thread]: a forked child must not keep the parent's rings (a server forking
+// workers after loading weights would otherwise pin every ring of the parent in every worker), and
+// a ring setup that fails for the moment (out of descriptors) must not turn io_uring off for good.
+TEST_CASE("disk: a forked child lets go of every thread's io_uring ring and a ring setup that fails for now reads "
+          "with pread and tries again",
+          "[disk][host]") {
+  TempDir dir;
+  const std::uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  const auto data = random_bytes((1u << 20) + 3 * 4096, seed);  // whole pages: every read is O_DIRECT
+  const std::string path = dir.str() + "/rings.bin";
+  write_file(path, data);
+  ScopedOverride method("TINYDEV_DISK_IO", "auto");
+  Buffer file("DISK:" + path, data.size(), dtypes::uint8);
+  file.allocate();
+  const std::string reads = Device["DISK:" + path].properties().at("reads");
+  if (reads.find("read with io_uring") == std::string::npos) {
+    skip("DISK reads without io_uring here: " + reads);
+    return;
+  }
+  if (!evict_from_page_cache(path)) {
+    skip("the kernel keeps the test file's pages cached (posix_fadvise DONTNEED): reads would copy from the mapping");
+    return;
+  }
+  // Reads on this thread and on one that stays alive over the fork: two rings.
+  CHECK(reads_back_as(file, data));
+  std::mutex mutex;
+  std::condition_variable changed;
+  bool helper_read = false, helper_may_exit = false, helper_ok = false;
+  std::thread helper([&] {
+    helper_ok = evict_from_page_cache(path) && reads_back_as(file, data);
+    std::unique_lock lock(mutex);
+    helper_read = true;
+    changed.notify_all();
+    changed.wait(lock, [&] { return helper_may_exit; });
+  });
+  {
+    std::unique_lock lock(mutex);
+    changed.wait(lock, [&] { return helper_read; });
+  }
+  CHECK(helper_ok);
+  const RingHandles parent = ring_handles();
+  CHECK(parent.descriptors >= 2);
+  CHECK(parent.mappings >= 2);
+
+  int report[2];
+  REQUIRE(::pipe2(report, O_CLOEXEC) == 0);
+  const pid_t child = ::fork();
+  REQUIRE(child >= 0);
+  if (child == 0) {
+    ::close(report[0]);
+    std::string failures;
+    try {
+      const RingHandles inherited = ring_handles();
+      if (inherited.descriptors != 0 || inherited.mappings != 0)
+        failures += fmt::format("after the fork the child holds {} io_uring descriptors and {} mappings; ",
+                                inherited.descriptors, inherited.mappings);
+      if (!evict_from_page_cache(path) || !reads_back_as(file, data)) failures += "the child's first read is wrong; ";
+      if (const RingHandles own = ring_handles(); own.descriptors != 1)
+        failures += fmt::format("after a read the child holds {} io_uring descriptors, not its own one; ",
+                                own.descriptors);
+      // A new thread's ring setup finds no free descriptor (EMFILE): its read uses pread. Once
+      // descriptors are free again, its next read sets a ring up.
+      if (!evict_from_page_cache(path)) failures += "the page cache kept the file; ";
+      std::mutex m;
+      std::condition_variable cv;
+      int step = 0;  // 1: the first read is done; 2: descriptors are free again; 3: the second read is done
+      bool first_ok = false, evicted_again = false, second_ok = false;
+      struct rlimit was{};
+      ::getrlimit(RLIMIT_NOFILE, &was);
+      const struct rlimit none{0, was.rlim_max};
+      ::setrlimit(RLIMIT_NOFILE, &none);
+      std::thread reader([&] {
+        first_ok = reads_back_as(file, data);
+        std::unique_lock lock(m);
+        step = 1;
+        cv.notify_all();
+        cv.wait(lock, [&] { return step == 2; });
+        lock.unlock();
+        evicted_again = evict_from_page_cache(path);
+        second_ok = reads_back_as(file, data);
+        lock.lock();
+        step = 3;
+        cv.notify_all();
+        cv.wait(lock, [&] { return step == 4; });  // the ring lives as long as its thread
+      });
+      std::unique_lock lock(m);
+      cv.wait(lock, [&] { return step == 1; });
+      ::setrlimit(RLIMIT_NOFILE, &was);
+      if (!first_ok) failures += "the read without a free descriptor is wrong; ";
+      if (const RingHandles h = ring_handles(); h.descriptors != 1)
+        failures += fmt::format("the failed setup left {} io_uring descriptors, not 1; ", h.descriptors);
+      const std::string said = Device["DISK:" + path].properties().at("reads");
+      if (said.find("failed for now") == std::string::npos || said.find("not available") != std::string::npos)
+        failures += "the device's reads say: " + said + "; ";
+      step = 2;
+      cv.notify_all();
+      cv.wait(lock, [&] { return step == 3; });
+      if (!evicted_again) failures += "the page cache kept the file after the pread; ";
+      if (!second_ok) failures += "the read after the failed setup is wrong; ";
+      if (const RingHandles h = ring_handles(); h.descriptors != 2)
+        failures += fmt::format("after the next read {} io_uring descriptors are held, not 2; ", h.descriptors);
+      step = 4;
+      cv.notify_all();
+      lock.unlock();
+      reader.join();
+    } catch (const std::exception& e) {
+      failures += std::string("threw: ") + e.what();
+    }
+    const ssize_t written = ::write(report[1], failures.data(), failures.size());
+    ::_exit(written == static_cast<ssize_t>(failures.size()) ? 0 : 1);
+  }
+  ::close(report[1]);
+  std::string failures;
+  char chunk[512];
+  for (ssize_t n; (n = ::read(report[0], chunk, sizeof chunk)) != 0;) {
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) break;
+    failures.append(chunk, static_cast<std::size_t>(n));
+  }
+  ::close(report[0]);
+  int status = 0;
+  REQUIRE(::waitpid(child, &status, 0) == child);
+  CHECK(WIFEXITED(status));
+  CHECK(WEXITSTATUS(status) == 0);
+  CHECK(failures == "");
+  // The parent's rings are untouched: both threads still read through theirs.
+  {
+    std::lock_guard lock(mutex);
+    helper_may_exit = true;
+  }
+  changed.notify_all();
+  helper.join();
+  REQUIRE(evict_from_page_cache(path));
+  CHECK(reads_back_as(file, data));
+  CHECK(ring_handles().descriptors == parent.descriptors - 1);  // the helper's ring went with it
 }
 
 TEST_CASE("disk: shared-memory devices are created by a write and read back", "[disk]") {
