@@ -4,6 +4,8 @@
 // written here and loaded back.
 #include <dlfcn.h>
 #include <fcntl.h>
+#include <linux/loop.h>
+#include <sys/ioctl.h>
 #include <sys/mman.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
@@ -111,6 +113,54 @@ bool reads_back_as(const Buffer& file, const std::vector<std::byte>& data) {
   file.copyout(std::span(host.get(), data.size()));
   return std::memcmp(host.get(), data.data(), data.size()) == 0;
 }
+
+// A loop device over a file: a block device to read without a disk of our own. Detached when
+// its last descriptor closes (LO_FLAGS_AUTOCLEAR), so a test that dies leaves none behind.
+// Needs root and /dev/loop-control; `why_not` says what was missing.
+struct LoopDevice {
+  std::string path, why_not;
+  int fd = -1;
+  explicit LoopDevice(const std::string& backing_file) {
+    const int control = ::open("/dev/loop-control", O_RDWR | O_CLOEXEC);
+    if (control < 0) {
+      why_not = "/dev/loop-control: " + std::string(std::strerror(errno));
+      return;
+    }
+    const int backing = ::open(backing_file.c_str(), O_RDWR | O_CLOEXEC);
+    for (int attempt = 0; attempt < 8 && fd < 0 && backing >= 0; ++attempt) {  // another may take the free one
+      const int number = ::ioctl(control, LOOP_CTL_GET_FREE);
+      if (number < 0) {
+        why_not = "LOOP_CTL_GET_FREE: " + std::string(std::strerror(errno));
+        break;
+      }
+      path = "/dev/loop" + std::to_string(number);
+      fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
+      if (fd >= 0 && ::ioctl(fd, LOOP_SET_FD, backing) != 0) {
+        why_not = "LOOP_SET_FD on " + path + ": " + std::strerror(errno);
+        ::close(fd);
+        fd = -1;
+      }
+    }
+    if (backing >= 0) ::close(backing);
+    ::close(control);
+    if (fd < 0) {
+      if (why_not.empty()) why_not = "no loop device could be set up";
+      return;
+    }
+    loop_info64 info{};
+    info.lo_flags = LO_FLAGS_AUTOCLEAR;
+    if (::ioctl(fd, LOOP_SET_STATUS64, &info) != 0) {
+      why_not = "LOOP_SET_STATUS64 on " + path + ": " + std::strerror(errno);
+      ::ioctl(fd, LOOP_CLR_FD, 0);
+      ::close(fd);
+      fd = -1;
+    }
+  }
+  ~LoopDevice() {
+    if (fd >= 0) ::close(fd);  // autoclear detaches it once DISK has closed it too
+  }
+  bool ready() const { return fd >= 0; }
+};
 
 }  // namespace
 
@@ -663,6 +713,51 @@ TEST_CASE("disk: a forked child lets go of every thread's io_uring ring and a ri
   REQUIRE(evict_from_page_cache(path));
   CHECK(reads_back_as(file, data));
   CHECK(ring_handles().descriptors == parent.descriptors - 1);  // the helper's ring went with it
+}
+
+// A block device (here a loop device) is a DISK file whose size fstat does not give (it says 0):
+// reads, writes and the size checks take its size from lseek.
+TEST_CASE("disk: a block device reads and writes byte-exact and a buffer longer than it is an IoError naming its size",
+          "[disk][host]") {
+  TempDir dir;
+  const std::uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  constexpr std::size_t kSize = 3u << 20;
+  const auto data = random_bytes(kSize, seed);
+  const std::string backing = dir.str() + "/backing.img";
+  write_file(backing, data);
+  LoopDevice loop(backing);
+  if (!loop.ready()) {
+    skip("no block device to read: " + loop.why_not);
+    return;
+  }
+  const std::string name = "DISK:" + loop.path;
+  {
+    Buffer whole(name, kSize, dtypes::uint8);
+    whole.allocate();
+    for (const char* io : {"auto", "pread"}) {
+      ScopedOverride method("TINYDEV_DISK_IO", io);
+      INFO(io);
+      CHECK(read_back(whole) == data);
+      CHECK(reads_back_as(whole, data));  // O_DIRECT where the destination allows it
+      std::vector<std::byte> part(5000);
+      Buffer view = whole.view(part.size(), dtypes::uint8, 12345);
+      view.allocate().copyout(part);
+      CHECK(equal_at(part, data, 12345));
+    }
+    const auto fresh = random_bytes(3 * 4096 + 11, seed + 1);
+    Buffer written = whole.view(fresh.size(), dtypes::uint8, 4096 + 7);
+    written.allocate().copyin(fresh);
+    CHECK(read_back(written) == fresh);
+    CHECK(std::equal(fresh.begin(), fresh.end(), whole.as_buffer(true, true).data() + 4096 + 7));
+  }
+  // Opened again larger than the device: the read is refused before a byte moves, naming the
+  // device's real size.
+  Buffer longer(name, kSize + 4096, dtypes::uint8);
+  longer.allocate();
+  std::vector<std::byte> host(kSize + 4096);
+  CHECK_THROWS_AS(longer.copyout(host), IoError);
+  CHECK_THROWS_WITH(longer.copyout(host), Catch::Contains("the file is " + std::to_string(kSize) + " bytes"));
 }
 
 TEST_CASE("disk: shared-memory devices are created by a write and read back", "[disk]") {
