@@ -106,15 +106,23 @@ std::int64_t pread_full(int fd, std::byte* dest, std::size_t length, std::uint64
 // child's copies (which leaves the parent's rings as they are: munmap and close act on the
 // child's own mappings and descriptor). A thread of the child that reads sets up its own ring.
 //
+// A ring joins the list and leaves it in the same critical section as its setup and teardown,
+// so no fork sees a ring that is set up and not listed. A thread-local destructor that reads from
+// DISK after the thread's ring was torn down gets pread (t_ring_gone), not a new ring left listed
+// after its memory is gone.
+//
 // Setup failures: ENOSYS, EPERM, EACCES and EINVAL say io_uring cannot work in this process (an
 // old kernel, seccomp, a container or the io_uring_disabled sysctl that forbids it): the process
 // says so once and reads with pread from then on. Any other (EMFILE, ENFILE, ENOMEM, EAGAIN: out
 // of descriptors or locked memory for the moment) costs only that read, which uses pread; the
-// thread's next read tries again.
+// thread's next read tries again. kMaxPassingFailures of those in a row, with no setup between
+// that worked, count as "cannot work" too: before Linux 5.12 rings are charged to
+// RLIMIT_MEMLOCK, and a limit too small for one ring fails every setup with ENOMEM for good.
 #ifdef TINYDEV_HAVE_LIBURING
+constexpr int kMaxPassingFailures = 16;
 std::atomic<int> g_uring_error{0};            // the errno of a setup that said io_uring cannot work here
 std::atomic<int> g_uring_passing_error{0};    // the errno of the latest setup that failed for the moment
-std::atomic<bool> g_uring_passing_said{false};
+std::atomic<int> g_uring_passing_streak{0};   // such failures since the last setup that worked
 
 bool uring_cannot_work(int err) { return err == ENOSYS || err == EPERM || err == EACCES || err == EINVAL; }
 
@@ -130,17 +138,16 @@ RingList& ring_list() {
   return *list;
 }
 void forget_rings_in_child();
+thread_local bool t_ring_gone = false;  // trivially destructible: readable after ~ThreadRing
 
 struct ThreadRing {
   io_uring ring{};
   bool ready = false;
-  ~ThreadRing() { release(); }
-  void release() {
+  ~ThreadRing() {
+    t_ring_gone = true;
     if (!ready) return;
-    {
-      std::lock_guard lock(ring_list().mutex);
-      std::erase(ring_list().rings, this);
-    }
+    std::lock_guard lock(ring_list().mutex);
+    std::erase(ring_list().rings, this);
     io_uring_queue_exit(&ring);
     ready = false;
   }
@@ -151,25 +158,34 @@ struct ThreadRing {
     std::call_once(fork_handler, [] {
       pthread_atfork([] { ring_list().mutex.lock(); }, [] { ring_list().mutex.unlock(); }, &forget_rings_in_child);
     });
-    const int rc = io_uring_queue_init(kRingEntries, &ring, 0);
-    if (rc < 0) {
-      const int err = -rc;
-      if (uring_cannot_work(err)) {
-        if (g_uring_error.exchange(err) == 0)
-          debug_log(1, "DISK", "io_uring is not available here ({}): reading with pread", os_error(err));
-      } else {
-        g_uring_passing_error.store(err, std::memory_order_relaxed);
-        debug_log(g_uring_passing_said.exchange(true) ? 2 : 1, "DISK",
-                  "setting up an io_uring ring failed for now ({}): this read uses pread, the next tries again",
-                  os_error(err));
+    int rc;
+    {
+      std::lock_guard lock(ring_list().mutex);
+      ring_list().rings.reserve(ring_list().rings.size() + 1);  // may throw: nothing set up yet
+      rc = io_uring_queue_init(kRingEntries, &ring, 0);
+      if (rc == 0) {
+        ring_list().rings.push_back(this);  // reserved: cannot throw
+        ready = true;
       }
-      return nullptr;
     }
-    g_uring_passing_error.store(0, std::memory_order_relaxed);
-    std::lock_guard lock(ring_list().mutex);
-    ring_list().rings.push_back(this);
-    ready = true;
-    return &ring;
+    if (rc == 0) {
+      g_uring_passing_error.store(0, std::memory_order_relaxed);
+      g_uring_passing_streak.store(0, std::memory_order_relaxed);
+      return &ring;
+    }
+    const int err = -rc;
+    const int streak = uring_cannot_work(err) ? 0 : g_uring_passing_streak.fetch_add(1) + 1;
+    if (streak == 0 || streak >= kMaxPassingFailures) {
+      if (g_uring_error.exchange(err) == 0)
+        debug_log(1, "DISK", "io_uring is not available here ({}{}): reading with pread", os_error(err),
+                  streak ? fmt::format(", {} ring setups in a row", streak) : std::string());
+    } else {
+      g_uring_passing_error.store(err, std::memory_order_relaxed);
+      debug_log(streak == 1 ? 1 : 2, "DISK",
+                "setting up an io_uring ring failed for now ({}): this read uses pread, the next tries again",
+                os_error(err));
+    }
+    return nullptr;
   }
 };
 thread_local ThreadRing t_ring;
@@ -191,7 +207,7 @@ void forget_rings_in_child() {
 // cannot work here.
 #ifdef TINYDEV_HAVE_LIBURING
 io_uring* thread_ring() {
-  if (!settings().disk_io_uring) return nullptr;
+  if (!settings().disk_io_uring || t_ring_gone) return nullptr;
   return t_ring.get();
 }
 #endif
