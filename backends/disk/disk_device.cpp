@@ -148,6 +148,11 @@ struct ThreadRing {
     if (!ready) return;
     std::lock_guard lock(ring_list().mutex);
     std::erase(ring_list().rings, this);
+    tear_down();
+  }
+  // Unmaps and closes the ring (this process's copy of it). The caller holds the list's mutex and
+  // takes the ring off the list.
+  void tear_down() noexcept {
     io_uring_queue_exit(&ring);
     ready = false;
   }
@@ -194,10 +199,7 @@ thread_local ThreadRing t_ring;
 // the prepare handler, on this thread), and this is the child's only thread.
 void forget_rings_in_child() {
   RingList& list = ring_list();
-  for (ThreadRing* r : list.rings) {
-    io_uring_queue_exit(&r->ring);
-    r->ready = false;
-  }
+  for (ThreadRing* r : list.rings) r->tear_down();
   list.rings.clear();
   list.mutex.unlock();
 }
@@ -561,7 +563,6 @@ class DiskFile {
   }
 
  private:
-
   int open_path(int flags, mode_t mode) const {
     return shm_ ? ::shm_open(shm_name_.c_str(), flags, mode) : ::open(path_.c_str(), flags, mode);
   }

@@ -16,10 +16,12 @@
 
 #include <condition_variable>
 #include <cstring>
+#include <exception>
 #include <filesystem>
 #include <fstream>
 #include <functional>
 #include <mutex>
+#include <optional>
 #include <thread>
 #include <variant>
 
@@ -66,11 +68,68 @@ struct StagingShapeRestore {
   }
 };
 
-// Runs `done` when the scope ends, also by an exception: a test's own thread is told to finish
-// and joined, so a failed REQUIRE does not destroy a joinable std::thread (std::terminate).
-struct JoinOnExit {
-  std::function<void()> done;
-  ~JoinOnExit() { done(); }
+// A thread of the test's own that runs what it is given, one call at a time, and ends only when
+// destroyed: its io_uring ring, set up by its first DISK read, lives as long as it, and a test can
+// start it and end it while descriptors are free (under UBSan a thread's start and end check its
+// state's type, which opens a pipe). An exception of a call reaches the caller of run().
+class ParkedThread {
+ public:
+  ParkedThread() : thread_([this] { serve(); }) {}
+  ~ParkedThread() {
+    {
+      std::lock_guard lock(mutex_);
+      stop_ = true;
+    }
+    changed_.notify_all();
+    thread_.join();
+  }
+  ParkedThread(const ParkedThread&) = delete;
+  ParkedThread& operator=(const ParkedThread&) = delete;
+
+  void run(std::function<void()> work) {
+    std::unique_lock lock(mutex_);
+    work_ = std::move(work);
+    error_ = nullptr;
+    changed_.notify_all();
+    changed_.wait(lock, [&] { return !work_; });
+    if (error_) std::rethrow_exception(error_);
+  }
+
+ private:
+  void serve() {
+    std::unique_lock lock(mutex_);
+    while (true) {
+      changed_.wait(lock, [&] { return stop_ || work_; });
+      if (!work_) return;
+      try {
+        work_();
+      } catch (...) {
+        error_ = std::current_exception();
+      }
+      work_ = nullptr;
+      changed_.notify_all();
+    }
+  }
+  std::mutex mutex_;
+  std::condition_variable changed_;
+  std::function<void()> work_;
+  std::exception_ptr error_;
+  bool stop_ = false;
+  std::thread thread_;  // last: starts once the rest is ready
+};
+
+// No free file descriptor for this process while it lives (RLIMIT_NOFILE 0): the next one asked
+// for fails with EMFILE.
+struct NoFreeDescriptors {
+  struct rlimit was{};
+  NoFreeDescriptors() {
+    ::getrlimit(RLIMIT_NOFILE, &was);
+    const struct rlimit none{0, was.rlim_max};
+    ::setrlimit(RLIMIT_NOFILE, &none);
+  }
+  ~NoFreeDescriptors() { ::setrlimit(RLIMIT_NOFILE, &was); }
+  NoFreeDescriptors(const NoFreeDescriptors&) = delete;
+  NoFreeDescriptors& operator=(const NoFreeDescriptors&) = delete;
 };
 
 // The io_uring rings this process holds, as /proc/self shows them: descriptors and mappings.
@@ -621,34 +680,9 @@ TEST_CASE("disk: a forked child lets go of every thread's io_uring ring and a ri
   }
   // Reads on this thread and on one that stays alive over the fork: two rings.
   CHECK(reads_back_as(file, data));
-  std::mutex mutex;
-  std::condition_variable changed;
-  bool helper_read = false, helper_may_exit = false, helper_ok = false;
-  std::thread helper([&] {
-    try {
-      helper_ok = evict_from_page_cache(path) && reads_back_as(file, data);
-    } catch (const std::exception& e) {
-      WARN("the helper thread's read threw: " << e.what());
-    }
-    std::unique_lock lock(mutex);
-    helper_read = true;
-    changed.notify_all();
-    changed.wait(lock, [&] { return helper_may_exit; });
-  });
-  // Lets the helper end, also when an assertion below throws.
-  const auto let_helper_go = [&] {
-    {
-      std::lock_guard lock(mutex);
-      helper_may_exit = true;
-    }
-    changed.notify_all();
-    if (helper.joinable()) helper.join();
-  };
-  JoinOnExit helper_guard{let_helper_go};
-  {
-    std::unique_lock lock(mutex);
-    changed.wait(lock, [&] { return helper_read; });
-  }
+  std::optional<ParkedThread> helper(std::in_place);
+  bool helper_ok = false;
+  helper->run([&] { helper_ok = evict_from_page_cache(path) && reads_back_as(file, data); });
   CHECK(helper_ok);
   const RingHandles parent = ring_handles();
   CHECK(parent.descriptors >= 2);
@@ -672,101 +706,44 @@ TEST_CASE("disk: a forked child lets go of every thread's io_uring ring and a ri
         failures += fmt::format("after a read the child holds {} io_uring descriptors, not its own one; ",
                                 own.descriptors);
       // A new thread's ring setup finds no free descriptor (EMFILE): its read uses pread. Once
-      // descriptors are free again, its next read sets a ring up. The thread starts before the
-      // limit drops: UndefinedBehaviorSanitizer's first check of a type (the thread's own) opens
-      // a pipe, and takes the type for a bad one where it cannot.
+      // descriptors are free again, its next read sets a ring up. (The threads start and end
+      // while descriptors are free: ParkedThread.)
       if (!evict_from_page_cache(path)) failures += "the page cache kept the file; ";
-      std::mutex m;
-      std::condition_variable cv;
-      constexpr int kStop = 99;
-      int step = 0;  // odd: the reader's turn; kStop: the reader returns at once
-      bool first_ok = false, evicted_again = false, second_ok = false;
-      // Hands over to `to`, then waits for `wait_for` (or kStop): false when told to stop.
-      const auto turn = [&](std::unique_lock<std::mutex>& lock, int to, int wait_for) {
-        if (step != kStop) step = to;
-        cv.notify_all();
-        cv.wait(lock, [&] { return step == wait_for || step == kStop; });
-        return step != kStop;
-      };
-      std::thread reader([&] {
-        std::unique_lock lock(m);
-        try {
-          cv.wait(lock, [&] { return step == 1 || step == kStop; });
-          if (step == kStop) return;
-          first_ok = reads_back_as(file, data);  // no free descriptor
-          if (!turn(lock, 2, 3)) return;
-          evicted_again = evict_from_page_cache(path);
-          second_ok = reads_back_as(file, data);
-          turn(lock, 4, kStop);  // the ring lives as long as its thread
-        } catch (const std::exception& e) {
-          failures += fmt::format("the reader thread threw: {}; ", e.what());
-          step = kStop;
-          cv.notify_all();
-        }
+      ParkedThread reader;
+      bool first_ok = false;
+      {
+        NoFreeDescriptors none;
+        reader.run([&] { first_ok = reads_back_as(file, data); });
+      }
+      if (!first_ok) failures += "the read without a free descriptor is wrong; ";
+      if (const RingHandles h = ring_handles(); h.descriptors != 1)
+        failures += fmt::format("the failed setup left {} io_uring descriptors, not 1; ", h.descriptors);
+      const std::string said = Device["DISK:" + path].properties().at("reads");
+      if (said.find("failed for now") == std::string::npos || said.find("not available") != std::string::npos)
+        failures += "the device's reads say: " + said + "; ";
+      bool evicted_again = false, second_ok = false;
+      reader.run([&] {
+        evicted_again = evict_from_page_cache(path);
+        second_ok = reads_back_as(file, data);
       });
-      JoinOnExit reader_guard{[&] {
-        {
-          std::lock_guard lock(m);
-          step = kStop;
-        }
-        cv.notify_all();
-        if (reader.joinable()) reader.join();
-      }};
-      struct rlimit was{};
-      ::getrlimit(RLIMIT_NOFILE, &was);
-      const struct rlimit none{0, was.rlim_max};
-      std::unique_lock lock(m);
-      ::setrlimit(RLIMIT_NOFILE, &none);
-      const bool read_once = turn(lock, 1, 2);
-      ::setrlimit(RLIMIT_NOFILE, &was);
-      if (read_once) {
-        if (!first_ok) failures += "the read without a free descriptor is wrong; ";
-        if (const RingHandles h = ring_handles(); h.descriptors != 1)
-          failures += fmt::format("the failed setup left {} io_uring descriptors, not 1; ", h.descriptors);
-        const std::string said = Device["DISK:" + path].properties().at("reads");
-        if (said.find("failed for now") == std::string::npos || said.find("not available") != std::string::npos)
-          failures += "the device's reads say: " + said + "; ";
-      }
-      if (read_once && turn(lock, 3, 4)) {
-        if (!evicted_again) failures += "the page cache kept the file after the read with pread; ";
-        if (!second_ok) failures += "the read after the failed setup is wrong; ";
-        if (const RingHandles h = ring_handles(); h.descriptors != 2)
-          failures += fmt::format("after the next read {} io_uring descriptors are held, not 2; ", h.descriptors);
-        // Sixteen such failures in a row (another new thread, sixteen reads) turn io_uring off for
-        // the process, as a memlock limit too small for any ring would on an old kernel.
-        bool all_ok = true;
-        std::thread streaker([&] {
-          std::unique_lock streaker_lock(m);
-          cv.wait(streaker_lock, [&] { return step == 10 || step == kStop; });
-          if (step == kStop) return;
-          try {
-            for (int i = 0; i < 16; ++i) all_ok = reads_back_as(file, data) && all_ok;
-          } catch (const std::exception& e) {
-            failures += fmt::format("the sixteen reads threw: {}; ", e.what());
-          }
-          step = 11;
-          cv.notify_all();
-          // Ends once descriptors are free again: under UBSan a thread's end checks its state's
-          // type, which opens a pipe.
-          cv.wait(streaker_lock, [&] { return step == kStop; });
+      if (!evicted_again) failures += "the page cache kept the file after the read with pread; ";
+      if (!second_ok) failures += "the read after the failed setup is wrong; ";
+      if (const RingHandles h = ring_handles(); h.descriptors != 2)
+        failures += fmt::format("after the next read {} io_uring descriptors are held, not 2; ", h.descriptors);
+      // Sixteen such failures in a row (another new thread, sixteen reads) turn io_uring off for
+      // the process, as a memlock limit too small for any ring would on an old kernel.
+      ParkedThread streaker;
+      bool all_ok = true;
+      {
+        NoFreeDescriptors none;
+        streaker.run([&] {
+          for (int i = 0; i < 16; ++i) all_ok = reads_back_as(file, data) && all_ok;
         });
-        JoinOnExit streaker_guard{[&] {  // runs while this thread holds `lock`
-          if (!lock.owns_lock()) lock.lock();
-          step = kStop;
-          lock.unlock();
-          cv.notify_all();
-          if (streaker.joinable()) streaker.join();
-        }};
-        ::setrlimit(RLIMIT_NOFILE, &none);
-        step = 10;
-        cv.notify_all();
-        cv.wait(lock, [&] { return step == 11 || step == kStop; });
-        ::setrlimit(RLIMIT_NOFILE, &was);
-        if (!all_ok) failures += "a read of the sixteen without a free descriptor is wrong; ";
-        const std::string now = Device["DISK:" + path].properties().at("reads");
-        if (now.find("pread (io_uring is not available here: ") == std::string::npos)
-          failures += "after sixteen failed setups the device's reads say: " + now + "; ";
       }
+      if (!all_ok) failures += "a read of the sixteen without a free descriptor is wrong; ";
+      const std::string now = Device["DISK:" + path].properties().at("reads");
+      if (now.find("pread (io_uring is not available here: ") == std::string::npos)
+        failures += "after sixteen failed setups the device's reads say: " + now + "; ";
     } catch (const std::exception& e) {
       failures += std::string("threw: ") + e.what();
     } catch (...) {
@@ -791,9 +768,13 @@ TEST_CASE("disk: a forked child lets go of every thread's io_uring ring and a ri
   CHECK(WEXITSTATUS(status) == 0);
   CHECK(failures == "");
   // The parent's rings are untouched: both threads still read through theirs.
-  let_helper_go();
+  helper_ok = false;
+  helper->run([&] { helper_ok = evict_from_page_cache(path) && reads_back_as(file, data); });
+  CHECK(helper_ok);
   CHECK(evict_from_page_cache(path));
   CHECK(reads_back_as(file, data));
+  CHECK(ring_handles().descriptors == parent.descriptors);
+  helper.reset();
   CHECK(ring_handles().descriptors == parent.descriptors - 1);  // the helper's ring went with it
 }
 
