@@ -35,17 +35,17 @@ constexpr std::string_view kPrefix = "TINYDEV_";
 using RawValues = std::map<std::string, std::optional<std::string>, std::less<>>;
 
 // Note [Settings snapshots]
-// Readers are on hot paths (every LRU free reads `lru`), so they take no lock: they load one
-// atomic pointer to an immutable snapshot. Writers (first use, overrides, reload) build a new
-// snapshot under the mutex and publish it. Old snapshots are kept alive forever so a reference a
-// reader still holds never dangles; there are only as many as there were overrides.
+// Readers are on hot paths (every LRU alloc and free reads `lru`), so they take no lock: they load
+// one atomic pointer to an immutable snapshot (detail::current_settings, read inline by
+// settings()). Writers (first use, overrides, reload) build a new snapshot under the mutex and
+// publish it. Old snapshots are kept alive forever so a reference a reader still holds never
+// dangles; there are only as many as there were overrides.
 struct State {
   std::mutex mutex;
   bool loaded = false;
   RawValues environment;  // as read from the process environment
   RawValues overrides;    // active ScopedOverride values (nullopt = forced unset)
   std::vector<std::unique_ptr<Settings>> snapshots;
-  std::atomic<const Settings*> current{nullptr};
   std::set<std::string, std::less<>> warned_unknown;  // unknown TINYDEV_* names already reported
   std::vector<std::string> pending_warnings;          // logged once the mutex is released
 };
@@ -204,7 +204,8 @@ struct LogWarningsAfterUnlock {
 // Builds and publishes a snapshot; on a parse error nothing changes. Caller holds the mutex.
 void publish(State& s) {
   auto snap = std::make_unique<Settings>(parse(s));
-  s.current.store(snap.get(), std::memory_order_release);
+  s.snapshots.reserve(s.snapshots.size() + 1);  // may throw: then nothing is published
+  detail::current_settings.store(snap.get(), std::memory_order_release);
   s.snapshots.push_back(std::move(snap));
 }
 
@@ -237,14 +238,15 @@ Settings detail::parse_settings(const std::map<std::string, std::string, std::le
   });
 }
 
-const Settings& settings() {
+constinit std::atomic<const Settings*> detail::current_settings{nullptr};
+
+const Settings& detail::load_settings() {
   State& s = state();
-  if (const Settings* cur = s.current.load(std::memory_order_acquire)) return *cur;
   LogWarningsAfterUnlock log_after{s};
   std::lock_guard lock(s.mutex);
   if (!s.loaded) read_environment(s);
-  if (!s.current.load(std::memory_order_relaxed)) publish(s);
-  return *s.current.load(std::memory_order_relaxed);
+  if (!detail::current_settings.load(std::memory_order_relaxed)) publish(s);
+  return *detail::current_settings.load(std::memory_order_relaxed);
 }
 
 std::vector<std::string_view> known_variables() {

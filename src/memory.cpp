@@ -20,53 +20,13 @@ namespace tinydev {
 
 // ---- LiveAllocations ---------------------------------------------------------------------------
 
-void detail::LiveAllocations::place(std::vector<Record>& slots, const Record& r) noexcept {
-  const std::size_t mask = slots.size() - 1;
-  std::uint64_t h = (r.va_addr ^ reinterpret_cast<std::uintptr_t>(r.backend)) * 0x9e3779b97f4a7c15ull;
-  std::size_t i = static_cast<std::size_t>(h >> 32) & mask;
-  while (slots[i].size) i = (i + 1) & mask;
-  slots[i] = r;
-}
-
+// place, insert, find and erase are inline in tinydev/memory.hpp.
 void detail::LiveAllocations::grow() {
   // The new table is built aside and swapped in: if it cannot be allocated, nothing changed.
   std::vector<Record> fresh(slots_.empty() ? 64 : slots_.size() * 2);
   for (const Record& r : slots_)
     if (r.size) place(fresh, r);
   slots_.swap(fresh);
-}
-
-void detail::LiveAllocations::insert(const Allocation& a, std::uint64_t size, std::uint8_t options) {
-  if ((count_ + 1) * 2 > slots_.size()) grow();  // at most half full: probes stay short
-  place(slots_, Record{a.va_addr, a.backend, size, options, false});
-  ++count_;
-}
-
-const detail::LiveAllocations::Record* detail::LiveAllocations::find(const Allocation& a) const noexcept {
-  if (slots_.empty()) return nullptr;
-  const std::size_t mask = slots_.size() - 1;
-  for (std::size_t i = slot_of(a.va_addr, a.backend);; i = (i + 1) & mask) {
-    const Record& r = slots_[i];
-    if (!r.size) return nullptr;
-    if (r.va_addr == a.va_addr && r.backend == a.backend) return &r;
-  }
-}
-
-void detail::LiveAllocations::erase(const Record* record) noexcept {
-  // Backward-shift deletion: move later members of the probe run into the hole, so lookups never
-  // need tombstones and the table never degrades under churn.
-  const std::size_t mask = slots_.size() - 1;
-  std::size_t hole = static_cast<std::size_t>(record - slots_.data());
-  for (std::size_t i = (hole + 1) & mask; slots_[i].size; i = (i + 1) & mask) {
-    const std::size_t home = slot_of(slots_[i].va_addr, slots_[i].backend);
-    // Move it if its home is not in the cyclic range (hole, i].
-    if (((i - home) & mask) >= ((i - hole) & mask)) {
-      slots_[hole] = slots_[i];
-      hole = i;
-    }
-  }
-  slots_[hole] = Record{};
-  --count_;
 }
 
 // ---- Allocator ---------------------------------------------------------------------------------
@@ -86,32 +46,24 @@ Allocation Allocator::alloc(std::size_t size, const BufferOptions& options) {
   return a;
 }
 
-const detail::LiveAllocations::Record* Allocator::check_free(const Allocation& allocation, std::size_t size,
-                                                             const BufferOptions& options, bool adopted) {
-  const detail::LiveAllocations::Record* r = live_.find(allocation);
-  if (!r) [[unlikely]] {
-    ++rejected_frees_;
+void Allocator::refuse_free(const detail::LiveAllocations::Record* r, const Allocation& allocation,
+                            std::size_t size, const BufferOptions& options) {
+  ++rejected_frees_;
+  if (!r)
     throw InvalidArgument(fmt::format(
         "{}: free of an allocation at {:#x} ({} bytes) that this allocator did not hand out or that "
         "was freed already: free each allocation once, on the allocator that made it (a view is "
         "never freed, its base is)",
         describe(), allocation.va_addr, size));
-  }
-  if (r->size != size || r->options != options.bits()) [[unlikely]] {
-    ++rejected_frees_;
+  if (r->size != size || r->options != options.bits())
     throw InvalidArgument(fmt::format(
         "{}: free of the allocation at {:#x} with {} bytes and options {:#x}, but it was allocated "
         "with {} bytes and options {:#x}: pass the size and options it was allocated with",
         describe(), allocation.va_addr, size, options.bits(), r->size, r->options));
-  }
-  if (r->adopted != adopted) [[unlikely]] {
-    ++rejected_frees_;
-    throw InvalidArgument(fmt::format(
-        "{}: free of the allocation at {:#x}, which a Buffer adopted: the buffer owns it now and frees "
-        "it when its last handle goes; drop the buffer instead",
-        describe(), allocation.va_addr));
-  }
-  return r;
+  throw InvalidArgument(fmt::format(
+      "{}: free of the allocation at {:#x}, which a Buffer adopted: the buffer owns it now and frees "
+      "it when its last handle goes; drop the buffer instead",
+      describe(), allocation.va_addr));
 }
 
 Allocator::LiveInfo Allocator::adopt(const Allocation& allocation) {
@@ -222,7 +174,7 @@ static std::size_t bucket_cache_slot(std::size_t size, std::uint8_t options) noe
   return static_cast<std::size_t>(((static_cast<std::uint64_t>(size) * 16 + options) * 0x9e3779b97f4a7c15ull) >> 58);
 }
 
-LRUAllocator::Bucket* LRUAllocator::find_bucket(Key key) {
+inline LRUAllocator::Bucket* LRUAllocator::find_bucket(Key key) {
   CachedBucket& cached = bucket_cache_[bucket_cache_slot(key.size, key.options)];
   if (cached.key == key) return cached.bucket;
   const auto it = buckets_.find(key);
@@ -231,7 +183,7 @@ LRUAllocator::Bucket* LRUAllocator::find_bucket(Key key) {
   return cached.bucket;
 }
 
-LRUAllocator::Bucket& LRUAllocator::bucket_for(Key key) {
+inline LRUAllocator::Bucket& LRUAllocator::bucket_for(Key key) {
   CachedBucket& cached = bucket_cache_[bucket_cache_slot(key.size, key.options)];
   if (cached.key == key) return *cached.bucket;
   Bucket& bucket = buckets_[key];
@@ -239,23 +191,25 @@ LRUAllocator::Bucket& LRUAllocator::bucket_for(Key key) {
   return bucket;
 }
 
-LRUAllocator::Entry* LRUAllocator::new_entry() {
-  if (!spare_) {
-    constexpr std::size_t kSlab = 64;
-    auto slab = std::make_unique<Entry[]>(kSlab);
-    for (std::size_t i = 0; i < kSlab; ++i) {
-      slab[i].key_older = spare_;
-      spare_ = &slab[i];
-    }
-    slabs_.push_back(std::move(slab));
+void LRUAllocator::add_slab() {
+  constexpr std::size_t kSlab = 64;
+  auto slab = std::make_unique<Entry[]>(kSlab);
+  slabs_.reserve(slabs_.size() + 1);  // may throw: then no entry points into the slab yet
+  for (std::size_t i = 0; i < kSlab; ++i) {
+    slab[i].key_older = spare_;
+    spare_ = &slab[i];
   }
+  slabs_.push_back(std::move(slab));
+}
+
+inline LRUAllocator::Entry* LRUAllocator::new_entry() {
+  if (!spare_) [[unlikely]] add_slab();
   Entry* e = spare_;
   spare_ = e->key_older;
-  *e = Entry{};
   return e;
 }
 
-void LRUAllocator::unlink(Entry* e) {
+inline void LRUAllocator::unlink(Entry* e) {
   if (e->key_newer) e->key_newer->key_older = e->key_older;
   else e->bucket->newest = e->key_older;
   if (e->key_older) e->key_older->key_newer = e->key_newer;
@@ -375,9 +329,11 @@ void LRUAllocator::free(Allocation allocation, std::size_t size, const BufferOpt
     e->key = key;
     e->reuse_after = queued_work_mark();
     e->bucket = &bucket;
+    e->key_newer = nullptr;
     e->key_older = bucket.newest;
     if (bucket.newest) bucket.newest->key_newer = e;
     bucket.newest = e;
+    e->lru_newer = nullptr;
     e->lru_older = lru_newest_;
     if (lru_newest_) lru_newest_->lru_newer = e;
     else lru_oldest_ = e;

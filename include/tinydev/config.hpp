@@ -11,6 +11,7 @@
 // previous values. docs/environment.md lists every variable.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -46,9 +47,21 @@ struct Settings {
   bool disk_io_uring = true;                    // TINYDEV_DISK_IO: auto (io_uring, else pread) or pread
 };
 
+namespace detail {
+// The published snapshot (Note [Settings snapshots] in src/config.cpp): nullptr until a settings()
+// call has read the environment. Written only by src/config.cpp.
+extern std::atomic<const Settings*> current_settings;
+// settings()'s first call: reads the environment and publishes the snapshot (or throws).
+const Settings& load_settings();
+}  // namespace detail
+
 // The current settings (environment + active overrides). Throws InvalidArgument on the first call
-// if the environment holds an invalid value.
-const Settings& settings();
+// if the environment holds an invalid value. Inline because hot paths (every LRU alloc and free)
+// read it: once the environment was read it is one atomic load.
+inline const Settings& settings() {
+  if (const Settings* current = detail::current_settings.load(std::memory_order_acquire)) return *current;
+  return detail::load_settings();
+}
 
 // The names of every variable tinydev reads.
 std::vector<std::string_view> known_variables();

@@ -87,7 +87,9 @@ class LiveAllocations {
   LiveAllocations(const LiveAllocations&) = delete;
   LiveAllocations& operator=(const LiveAllocations&) = delete;
 
-  void insert(const Allocation& a, std::uint64_t size, std::uint8_t options);
+  // Defined below, inline: an LRU cache hit or cached free does one find and one insert or erase
+  // (out of line they were a fifth of the pair's time).
+  void insert(const Allocation& a, std::uint64_t size, std::uint8_t options);  // may throw bad_alloc
   // The record of `a`, or nullptr when it is not live. Valid until the next insert or erase.
   const Record* find(const Allocation& a) const noexcept;
   Record* find(const Allocation& a) noexcept {
@@ -97,15 +99,55 @@ class LiveAllocations {
   std::size_t size() const noexcept { return count_; }
 
  private:
-  std::size_t slot_of(std::uint64_t va_addr, const void* backend) const noexcept {
-    std::uint64_t h = (va_addr ^ reinterpret_cast<std::uintptr_t>(backend)) * 0x9e3779b97f4a7c15ull;
-    return static_cast<std::size_t>(h >> 32) & (slots_.size() - 1);
+  static std::size_t home_slot(std::uint64_t va_addr, const void* backend, std::size_t mask) noexcept {
+    const std::uint64_t h = (va_addr ^ reinterpret_cast<std::uintptr_t>(backend)) * 0x9e3779b97f4a7c15ull;
+    return static_cast<std::size_t>(h >> 32) & mask;
   }
-  void grow();
+  void grow();  // doubles the table (64 slots at first); bad_alloc leaves it as it was
   static void place(std::vector<Record>& slots, const Record& r) noexcept;
   std::vector<Record> slots_;
   std::size_t count_ = 0;
 };
+
+inline void LiveAllocations::place(std::vector<Record>& slots, const Record& r) noexcept {
+  const std::size_t mask = slots.size() - 1;
+  std::size_t i = home_slot(r.va_addr, r.backend, mask);
+  while (slots[i].size) i = (i + 1) & mask;
+  slots[i] = r;
+}
+
+inline void LiveAllocations::insert(const Allocation& a, std::uint64_t size, std::uint8_t options) {
+  if ((count_ + 1) * 2 > slots_.size()) [[unlikely]] grow();  // at most half full: probes stay short
+  place(slots_, Record{a.va_addr, a.backend, size, options, false});
+  ++count_;
+}
+
+inline const LiveAllocations::Record* LiveAllocations::find(const Allocation& a) const noexcept {
+  if (slots_.empty()) return nullptr;
+  const std::size_t mask = slots_.size() - 1;
+  for (std::size_t i = home_slot(a.va_addr, a.backend, mask);; i = (i + 1) & mask) {
+    const Record& r = slots_[i];
+    if (!r.size) return nullptr;
+    if (r.va_addr == a.va_addr && r.backend == a.backend) return &r;
+  }
+}
+
+inline void LiveAllocations::erase(const Record* record) noexcept {
+  // Backward-shift deletion: move later members of the probe run into the hole, so lookups never
+  // need tombstones and the table never degrades under churn.
+  const std::size_t mask = slots_.size() - 1;
+  std::size_t hole = static_cast<std::size_t>(record - slots_.data());
+  for (std::size_t i = (hole + 1) & mask; slots_[i].size; i = (i + 1) & mask) {
+    const std::size_t home = home_slot(slots_[i].va_addr, slots_[i].backend, mask);
+    // Move it if its home is not in the cyclic range (hole, i].
+    if (((i - home) & mask) >= ((i - hole) & mask)) {
+      slots_[hole] = slots_[i];
+      hole = i;
+    }
+  }
+  slots_[hole] = Record{};
+  --count_;
+}
 }  // namespace detail
 
 // ---- reading files into device memory (DISK, docs/disk.md) ---------------------------------------
@@ -236,9 +278,18 @@ class Allocator {
 
   // Caller holds mutex_. The record of `allocation`, which the caller then erases; throws
   // InvalidArgument (changing nothing but the count of rejected frees) unless `allocation` is
-  // live with this size and these options.
+  // live with this size and these options (and adopted or not, as `adopted` says).
   const detail::LiveAllocations::Record* check_free(const Allocation& allocation, std::size_t size,
-                                                    const BufferOptions& options, bool adopted = false);
+                                                    const BufferOptions& options, bool adopted = false) {
+    const detail::LiveAllocations::Record* r = live_.find(allocation);
+    if (!r || r->size != size || r->options != options.bits() || r->adopted != adopted) [[unlikely]]
+      refuse_free(r, allocation, size, options);
+    return r;
+  }
+  // check_free's refusal, out of line: counts it and throws the InvalidArgument saying which check
+  // failed (`record` is the allocation's record, nullptr when it is not live).
+  [[noreturn]] void refuse_free(const detail::LiveAllocations::Record* record, const Allocation& allocation,
+                                std::size_t size, const BufferOptions& options);
 
   mutable std::mutex mutex_;         // guards live_ (and, in LRUAllocator, its cache)
   detail::LiveAllocations live_;
@@ -322,10 +373,13 @@ class LRUAllocator : public Allocator {
     Entry* newest = nullptr;  // per-key list, newest first (LIFO reuse)
   };
   // The bucket of `key` (Note [Bucket cache]): nullptr if none / made if none (may throw bad_alloc).
-  Bucket* find_bucket(Key key);
-  Bucket& bucket_for(Key key);
-  Entry* new_entry();
-  void unlink(Entry* e);
+  // These four are inline, defined in src/memory.cpp (its only user): a cache hit and a cached
+  // free are a few of them and two lock pairs.
+  inline Bucket* find_bucket(Key key);
+  inline Bucket& bucket_for(Key key);
+  inline Entry* new_entry();  // fields unset: the caller sets every one (may throw bad_alloc)
+  inline void unlink(Entry* e);
+  void add_slab();  // new_entry's refill: 64 more spare entries
   void evict_over_cap(std::uint64_t cap, std::vector<Entry>& out);
   void release(std::vector<Entry>& entries);
 

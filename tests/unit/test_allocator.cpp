@@ -1,4 +1,5 @@
 #include "support.hpp"
+#include <algorithm>
 #include <set>
 #include <utility>
 
@@ -196,6 +197,71 @@ TEST_CASE("lru: concurrent alloc and free from 8 threads keep the books straight
   LRUStats s = a.stats();
   CHECK(s.misses == static_cast<std::uint64_t>(a.backend_allocs.load()));  // one backend call per miss
   CHECK(s.hits > 0);
+  a.free_cache();
+  CHECK(a.live_bytes == 0);
+}
+
+// Note [LRU cache layout]: cache entries are recycled through a spare list and reused without
+// being cleared, so a long run with a byte bound walks every link many times over. The model is the
+// cache as the seed's LRUAllocator plus a bound defines it: per key newest first, evictions oldest
+// freed first. Every step checks what alloc hands back and the cache's counters against it.
+TEST_CASE("lru: a long random run under a byte bound evicts the least recently freed and reuses the newest",
+          "[allocator]") {
+  const std::uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 rng(seed);
+  constexpr std::uint64_t kCap = 40 * 1024;
+  ScopedOverride cap("TINYDEV_LRU_MAX_BYTES", std::to_string(kCap));
+  FakeAllocator a;
+  std::vector<std::size_t> sizes;
+  for (int i = 0; i < 24; ++i) sizes.push_back(64 * (1 + rng() % 64));  // 64 B .. 4 KiB, some repeated
+  struct Cached {
+    Allocation allocation;
+    std::size_t size;
+  };
+  std::vector<Cached> cache;  // the model: oldest freed first
+  std::vector<Cached> live;
+  std::uint64_t evictions = 0;
+  for (int step = 0; step < 30000; ++step) {
+    INFO("step " << step);
+    if (live.empty() || (live.size() < 40 && rng() % 2)) {
+      const std::size_t size = sizes[rng() % sizes.size()];
+      // The newest cached allocation of this size, if any, is what alloc must hand back.
+      auto newest = std::find_if(cache.rbegin(), cache.rend(), [&](const Cached& c) { return c.size == size; });
+      const int backend_before = a.backend_allocs;
+      const Allocation got = a.alloc(size);
+      if (newest != cache.rend()) {
+        REQUIRE(got == newest->allocation);
+        REQUIRE(a.backend_allocs == backend_before);
+        cache.erase(std::next(newest).base());
+      } else {
+        REQUIRE(a.backend_allocs == backend_before + 1);
+      }
+      live.push_back(Cached{got, size});
+    } else {
+      const std::size_t i = rng() % live.size();
+      const Cached freed = live[i];
+      live.erase(live.begin() + static_cast<std::ptrdiff_t>(i));
+      a.free(freed.allocation, freed.size);
+      cache.push_back(freed);
+      std::uint64_t bytes = 0;
+      for (const Cached& c : cache) bytes += c.size;
+      while (bytes > kCap) {  // the least recently freed go first
+        bytes -= cache.front().size;
+        cache.erase(cache.begin());
+        ++evictions;
+      }
+    }
+    const LRUStats s = a.stats();
+    std::uint64_t bytes = 0;
+    for (const Cached& c : cache) bytes += c.size;
+    REQUIRE(s.entries_cached == cache.size());
+    REQUIRE(s.bytes_cached == bytes);
+    REQUIRE(s.evictions == evictions);
+    REQUIRE(s.live_allocations == live.size());
+  }
+  CHECK(evictions > 1000);  // the bound was at work all along, not only at the end
+  for (const Cached& c : live) a.free(c.allocation, c.size);
   a.free_cache();
   CHECK(a.live_bytes == 0);
 }
