@@ -204,7 +204,8 @@ struct LogWarningsAfterUnlock {
 // Builds and publishes a snapshot; on a parse error nothing changes. Caller holds the mutex.
 void publish(State& s) {
   auto snap = std::make_unique<Settings>(parse(s));
-  s.snapshots.reserve(s.snapshots.size() + 1);  // may throw: then nothing is published
+  // Room to keep it alive first (may throw: then nothing is published).
+  if (s.snapshots.size() == s.snapshots.capacity()) s.snapshots.reserve(std::max<std::size_t>(8, 2 * s.snapshots.capacity()));
   detail::current_settings.store(snap.get(), std::memory_order_release);
   s.snapshots.push_back(std::move(snap));
 }

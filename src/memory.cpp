@@ -194,7 +194,8 @@ inline LRUAllocator::Bucket& LRUAllocator::bucket_for(Key key) {
 void LRUAllocator::add_slab() {
   constexpr std::size_t kSlab = 64;
   auto slab = std::make_unique<Entry[]>(kSlab);
-  slabs_.reserve(slabs_.size() + 1);  // may throw: then no entry points into the slab yet
+  // Room for the slab's owner first (may throw: then no entry points into the slab yet).
+  if (slabs_.size() == slabs_.capacity()) slabs_.reserve(std::max<std::size_t>(8, 2 * slabs_.capacity()));
   for (std::size_t i = 0; i < kSlab; ++i) {
     slab[i].key_older = spare_;
     spare_ = &slab[i];
