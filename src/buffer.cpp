@@ -15,11 +15,14 @@ namespace tinydev {
 
 namespace {
 // count * itemsize, or InvalidArgument naming the numbers when it does not fit in 64 bits.
-std::size_t checked_bytes(std::size_t count, DType dtype, std::string_view what) {
+// `what` names the buffer in the message ("a view"), followed by " on `device`" when one is given:
+// formatted only when the check fails, as buffers are made on hot paths.
+std::size_t checked_bytes(std::size_t count, DType dtype, std::string_view what, std::string_view device = {}) {
   std::size_t bytes = 0;
   if (__builtin_mul_overflow(count, std::size_t{dtype.itemsize}, &bytes))
-    throw InvalidArgument(fmt::format("{} of {} x {} ({} bytes each) overflows 64 bits: ask for fewer elements",
-                                      what, count, dtype.name, dtype.itemsize));
+    throw InvalidArgument(fmt::format("{}{}{} of {} x {} ({} bytes each) overflows 64 bits: ask for fewer elements",
+                                      what, device.empty() ? "" : " on ", device, count, dtype.name,
+                                      dtype.itemsize));
   return bytes;
 }
 }  // namespace
@@ -173,7 +176,7 @@ Buffer::Buffer(std::string_view device, std::size_t size, DType dtype, Params pa
     : state_(std::make_shared<State>()) {
   State& s = *state_;
   s.device = canonicalize(device);
-  checked_bytes(size, dtype, fmt::format("a buffer on {}", s.device));
+  checked_bytes(size, dtype, "a buffer", s.device);
   s.size = size;
   s.dtype = dtype;
   s.options = params.options;

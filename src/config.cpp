@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <atomic>
 #include <charconv>
 #include <cstdlib>
@@ -35,8 +36,8 @@ constexpr std::string_view kPrefix = "TINYDEV_";
 using RawValues = std::map<std::string, std::optional<std::string>, std::less<>>;
 
 // Note [Settings snapshots]
-// Readers are on hot paths (every LRU alloc and free reads `lru`), so they take no lock: they load
-// one atomic pointer to an immutable snapshot (detail::current_settings, read inline by
+// Readers are on hot paths (every LRU alloc and free calls settings()), so they take no lock:
+// they load one atomic pointer to an immutable snapshot (detail::current_settings, read inline by
 // settings()). Writers (first use, overrides, reload) build a new snapshot under the mutex and
 // publish it. Old snapshots are kept alive forever so a reference a reader still holds never
 // dangles; there are only as many as there were overrides.
@@ -240,6 +241,9 @@ Settings detail::parse_settings(const std::map<std::string, std::string, std::le
 }
 
 constinit std::atomic<const Settings*> detail::current_settings{nullptr};
+static_assert(std::atomic<const Settings*>::is_always_lock_free &&
+                  std::is_trivially_destructible_v<std::atomic<const Settings*>>,
+              "settings() must be a plain load, and the pointer must outlive every static destructor");
 
 const Settings& detail::load_settings() {
   State& s = state();

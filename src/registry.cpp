@@ -5,7 +5,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cctype>
 #include <type_traits>
 
 #include "tinydev/config.hpp"
@@ -50,11 +49,19 @@ namespace {
 
 constexpr std::size_t kMaxTypeLength = 32;
 
+// Note [ASCII device types]
+// A type is ASCII letters, digits and '_', and is uppercased in ASCII, whatever the process's
+// locale: <cctype>'s isalnum/toupper follow it, and an application that calls setlocale (or a
+// thread with uselocale) would change what a name means. Under tr_TR.ISO-8859-9 toupper('i') is
+// 0xDD, so "disk:/x" became "D\xDDSK:/x", an unknown device; under a Latin-1 locale 0xE9 is a
+// letter, so "cud\xE9" was a valid type.
+constexpr bool ascii_letter(char c) noexcept { return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z'); }
+constexpr bool ascii_type_char(char c) noexcept { return ascii_letter(c) || (c >= '0' && c <= '9') || c == '_'; }
+constexpr char ascii_upper(char c) noexcept { return c >= 'a' && c <= 'z' ? static_cast<char>(c - 'a' + 'A') : c; }
+
 bool valid_type(std::string_view type) {
-  if (type.empty() || type.size() > kMaxTypeLength || !std::isalpha(static_cast<unsigned char>(type.front())))
-    return false;
-  return std::all_of(type.begin(), type.end(),
-                     [](char c) { return std::isalnum(static_cast<unsigned char>(c)) || c == '_'; });
+  if (type.empty() || type.size() > kMaxTypeLength || !ascii_letter(type.front())) return false;
+  return std::all_of(type.begin(), type.end(), ascii_type_char);
 }
 
 std::string type_of(const std::string& canonical) {
@@ -99,8 +106,7 @@ std::string canonicalize(std::string_view name) {
         "letters, digits or '_' (as in \"CUDA:1\")",
         quote_for_message(name), kMaxTypeLength - 1));
   std::string out(type);
-  std::transform(out.begin(), out.end(), out.begin(),
-                 [](unsigned char c) { return static_cast<char>(std::toupper(c)); });
+  std::transform(out.begin(), out.end(), out.begin(), ascii_upper);
   if (colon == std::string_view::npos) return out;
   std::string_view rest = name.substr(colon + 1);
   if (rest.empty())
@@ -230,6 +236,16 @@ void DeviceRegistry::register_backend(std::string type, BackendFactory factory, 
 }
 
 Compiled& DeviceRegistry::operator[](std::string_view name) {
+  // Note [Canonical names look up first]
+  // Every key is a canonical name and canonicalize is idempotent, so a name equal to a key is that
+  // device's canonical name: one lookup, no parsing. Buffers hold canonical names and look their
+  // device up at every allocation, copy and transfer; parsing the name cost more than the rest of
+  // an LRU-cached allocation. Any other spelling misses and takes the full path below.
+  {
+    std::lock_guard lock(mutex_);
+    if (auto it = slots().find(name); it != slots().end())
+      if (Compiled* dev = it->second->device.load(std::memory_order_acquire)) return *dev;
+  }
   std::string canonical = canonicalize(name);
   std::shared_ptr<Slot> slot;
   BackendFactory factory;

@@ -48,9 +48,11 @@ struct Settings {
 };
 
 namespace detail {
-// The published snapshot (Note [Settings snapshots] in src/config.cpp): nullptr until a settings()
-// call has read the environment. Written only by src/config.cpp.
-extern std::atomic<const Settings*> current_settings;
+// The published snapshot (Note [Settings snapshots] in src/config.cpp): nullptr until the first
+// snapshot is published (the first settings(), ScopedOverride or reload_environment()). Constant-
+// initialized and never destroyed, so static constructors and destructors may read it. Written
+// only by src/config.cpp.
+extern constinit std::atomic<const Settings*> current_settings;
 // settings()'s first call: reads the environment and publishes the snapshot (or throws).
 const Settings& load_settings();
 }  // namespace detail

@@ -87,7 +87,7 @@ class LiveAllocations {
   LiveAllocations(const LiveAllocations&) = delete;
   LiveAllocations& operator=(const LiveAllocations&) = delete;
 
-  // Defined below, inline: an LRU cache hit or cached free does one find and one insert or erase
+  // Defined below, inline: an LRU cache hit does one insert, a cached free one find and one erase
   // (out of line they were a fifth of the pair's time).
   void insert(const Allocation& a, std::uint64_t size, std::uint8_t options);  // may throw bad_alloc
   // The record of `a`, or nullptr when it is not live. Valid until the next insert or erase.

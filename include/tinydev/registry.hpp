@@ -38,7 +38,8 @@ inline constexpr unsigned kMaxDeviceOrdinal = 63;
 inline constexpr std::size_t kMaxDeviceNameLength = 4096;
 
 // "cuda" -> "CUDA", "cuda:0" -> "CUDA", "cuda:1" -> "CUDA:1", "disk:/dev/shm/x" -> "DISK:/dev/shm/x".
-// Uppercases the part before the first ':' and keeps the rest verbatim, except:
+// Uppercases the part before the first ':' (ASCII letters, digits and '_', uppercased in ASCII
+// whatever the locale: Note [ASCII device types]) and keeps the rest verbatim, except:
 //  - ordinal types (CUDA, LLVM, CLANG, NULL and every backend registered as ordinal): the suffix
 //    must be a plain decimal ordinal (no sign, no leading zero, at most kMaxDeviceOrdinal); ":0"
 //    is dropped, so "cuda:0" is "CUDA";

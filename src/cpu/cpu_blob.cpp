@@ -3,7 +3,6 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <cctype>
 #include <cstring>
 
 #include "tinydev/error.hpp"
@@ -88,9 +87,12 @@ UnwrappedBlob unwrap_object(std::span<const std::byte> blob) {
 
 namespace {
 
+// ASCII, whatever the locale (<cctype> follows it): LLVM IR's names and keywords are ASCII.
 bool is_ir_name_char(char c) {
-  return std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '.' || c == '$' || c == '-';
+  return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_' || c == '.' ||
+         c == '$' || c == '-';
 }
+bool is_ir_space(char c) { return c == ' ' || c == '\t' || c == '\r' || c == '\n' || c == '\v' || c == '\f'; }
 
 // The kernel-ABI reading of one parameter ("ptr noalias noundef %0", "i32 noundef %n"): a buffer,
 // an int32 value, or neither.
@@ -108,7 +110,7 @@ ParamKind param_kind(std::string_view param) {
       if (starts && ends) return ParamKind::other;
     }
   std::size_t type_end = 0;
-  while (type_end < param.size() && !std::isspace(static_cast<unsigned char>(param[type_end]))) ++type_end;
+  while (type_end < param.size() && !is_ir_space(param[type_end])) ++type_end;
   const std::string_view type = param.substr(0, type_end);
   if (type == "ptr" || (type.size() > 1 && type.back() == '*')) return ParamKind::buffer;  // typed pointers too
   if (type == "i32") return ParamKind::value;
