@@ -6,6 +6,10 @@
 
 #include <locale.h>
 
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/lsan_interface.h>
+#endif
+
 using tinydev::canonicalize;
 using tinydev::InvalidArgument;
 
@@ -58,8 +62,16 @@ TEST_CASE("canonicalize: a name means the same under Turkish and Latin-1 locales
     }
   }
   REQUIRE(::setenv("LOCPATH", dir.path.c_str(), 1) == 0);
-  locale_t turkish = ::newlocale(LC_ALL_MASK, "tr_TR.ISO-8859-9", locale_t{});
-  locale_t latin1 = ::newlocale(LC_ALL_MASK, "de_DE.ISO-8859-1", locale_t{});
+  locale_t turkish{}, latin1{};
+  {
+#if defined(__SANITIZE_ADDRESS__)
+    // glibc 2.36's newlocale keeps the list it splits LOCPATH into (41 bytes a call, never freed):
+    // its leak, not tinydev's, which LeakSanitizer would report at exit.
+    __lsan::ScopedDisabler glibc_keeps_locpath;
+#endif
+    turkish = ::newlocale(LC_ALL_MASK, "tr_TR.ISO-8859-9", locale_t{});
+    latin1 = ::newlocale(LC_ALL_MASK, "de_DE.ISO-8859-1", locale_t{});
+  }
   ::unsetenv("LOCPATH");
   REQUIRE(turkish != locale_t{});
   REQUIRE(latin1 != locale_t{});
