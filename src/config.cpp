@@ -204,11 +204,9 @@ struct LogWarningsAfterUnlock {
 
 // Builds and publishes a snapshot; on a parse error nothing changes. Caller holds the mutex.
 void publish(State& s) {
-  auto snap = std::make_unique<Settings>(parse(s));
-  // Room to keep it alive first (may throw: then nothing is published).
-  if (s.snapshots.size() == s.snapshots.capacity()) s.snapshots.reserve(std::max<std::size_t>(8, 2 * s.snapshots.capacity()));
-  detail::current_settings.store(snap.get(), std::memory_order_release);
-  s.snapshots.push_back(std::move(snap));
+  // Kept alive before it is published: a bad_alloc leaves nothing published.
+  s.snapshots.push_back(std::make_unique<Settings>(parse(s)));
+  detail::current_settings.store(s.snapshots.back().get(), std::memory_order_release);
 }
 
 void check_known(std::string_view var) {

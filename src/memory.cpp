@@ -193,14 +193,13 @@ inline LRUAllocator::Bucket& LRUAllocator::bucket_for(Key key) {
 
 void LRUAllocator::add_slab() {
   constexpr std::size_t kSlab = 64;
-  auto slab = std::make_unique<Entry[]>(kSlab);
-  // Room for the slab's owner first (may throw: then no entry points into the slab yet).
-  if (slabs_.size() == slabs_.capacity()) slabs_.reserve(std::max<std::size_t>(8, 2 * slabs_.capacity()));
+  // Owned by slabs_ before any spare entry points into it: a bad_alloc leaves nothing dangling.
+  slabs_.push_back(std::make_unique<Entry[]>(kSlab));
+  Entry* slab = slabs_.back().get();
   for (std::size_t i = 0; i < kSlab; ++i) {
     slab[i].key_older = spare_;
     spare_ = &slab[i];
   }
-  slabs_.push_back(std::move(slab));
 }
 
 inline LRUAllocator::Entry* LRUAllocator::new_entry() {
