@@ -6,7 +6,7 @@ TINYDEV_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 TINYDEV_PACKAGES=(
   cmake ninja-build g++ pkg-config ccache
   llvm-19-dev libzstd-dev clang-19 libclang-rt-19-dev
-  libfmt-dev libxxhash-dev catch2 nlohmann-json3-dev liburing-dev libfuse3-dev
+  libfmt-dev libxxhash-dev catch2 nlohmann-json3-dev liburing-dev libfuse3-dev locales
 )
 
 tinydev_ensure_packages() {
