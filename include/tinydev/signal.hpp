@@ -46,24 +46,26 @@ struct alignas(64) SignalSlot {
   // The smallest value a sleeping waiter wants (UINT64_MAX: none): a store below it wakes nobody
   // (Note [Signal waits]), so a graph bumping its signal between its queues makes no futex call each time.
   std::atomic<std::uint64_t> wake_at{~std::uint64_t{0}};
-  std::atomic<std::uint32_t> poisoned{0};
   // Set by a pool whose slots a device writes without waking anyone (a GPU's stream memory
   // operation): host waiters then poll instead of sleeping on wake_seq (Note [Polled signals]).
   std::uint32_t polled = 0;
-  // Second line: cold fields. A handle check reads `generation` on every use; keeping it off the
-  // hot line means that check never pulls the line a waiter on another core is polling.
+  // Second line: read on every use and written almost never. A handle check reads `generation`,
+  // and a submit reads its timeline's `poisoned`; here neither pulls the first line, which the
+  // device writing the signal (a worker on another core) owns between stores.
   alignas(64) std::atomic<std::uint32_t> generation{0};  // bumped by free: stale handles are detected
+  std::atomic<std::uint32_t> poisoned{0};
   std::atomic<std::uint32_t> poison_claim{0};  // the first poisoner writes the reason
-  std::atomic<std::uint64_t> timestamp_ns{0};
-  // The value the slot held when it was poisoned (written before `poisoned`): an Event past it
-  // reports the failure even once a device writes its value later (Note [Events after a poison]).
-  std::atomic<std::uint64_t> poisoned_at{0};
-  char poison_reason[432] = {};              // written by the claimant before `poisoned` is set
   // Bumped each time the pool hands the slot out (under its mutex): one who kept the slot's
   // pointer can tell, under SignalPool::hold_reuse, that it is still the signal it kept.
   std::atomic<std::uint32_t> reuses{0};
+  // The value the slot held when it was poisoned (written before `poisoned`): an Event past it
+  // reports the failure even once a device writes its value later (Note [Events after a poison]).
+  std::atomic<std::uint64_t> poisoned_at{0};
   // Called once, by the first poisoner, after the flag is set: the pool's SignalMemory::on_poison.
   void (*on_poison)(SignalSlot&) noexcept = nullptr;
+  char poison_reason[432] = {};              // written by the claimant before `poisoned` is set
+  // Last line: written by a device's timestamp command, away from the lines read on every use.
+  alignas(64) std::atomic<std::uint64_t> timestamp_ns{0};
 
   // Stores a value and wakes sleeping waiters (what a device's `signal` command does).
   void store(std::uint64_t v) noexcept;

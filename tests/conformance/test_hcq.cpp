@@ -1,5 +1,6 @@
 // The seed's HCQ behaviour on every HCQ device: signals, queues and their patching, the timeline,
 // the staging ring, transfers, bad input.
+#include <atomic>
 #include <thread>
 
 #include "cpu_hcq.hpp"
@@ -129,6 +130,51 @@ TEST_CASE("hcq: resubmitting while earlier submissions are still queued leaves t
     }
     dev.free_signal(gate);
     for (const Signal& s : out) dev.free_signal(s);
+  }, Needs{});
+}
+
+// More submissions than a CPU worker's ring holds (Note [Submission ring]: kRing is 128), the
+// first few hundred queued behind one gate: a submit never blocks, and they run in submission
+// order across the ring and its overflow, also when the rest arrive while the worker is halfway
+// through the ring (held there by a second gate). Each waits for the previous one's value before
+// setting its own, so one run out of order waits for ever (a Timeout below) instead of passing.
+TEST_CASE("hcq: hundreds of submissions behind one gate never block the submitter and run in order", "[hcq]") {
+  for_each_hcq_device([](auto& dev) {
+    Signal gate = dev.alloc_signal(0), halfway = dev.alloc_signal(0), seq = dev.alloc_signal(0);
+    const int gated = 200 + static_cast<int>(fresh_seed() % 100), n = gated + 300;
+    constexpr int kHeld = 64;  // the submission that waits for `halfway` too
+    typename std::remove_cvref_t<decltype(dev)>::compute_queue_type recorded;
+    recorded.wait(gate, 1).wait(seq, 0).signal(seq, 0);
+    std::atomic<bool> gated_submitted{false};
+    std::atomic<std::uint64_t> before_gate{~std::uint64_t{0}};
+    std::thread submitter([&] {
+      for (int i = 0; i < n; ++i) {
+        if (i == gated) {
+          gated_submitted = true;
+          before_gate = seq.value();
+          gate.set(1);
+          seq.wait(kHeld, 10000ms);  // the worker now waits at submission kHeld, mid-ring
+        }
+        const auto v = static_cast<std::uint64_t>(i);
+        if (i == kHeld)
+          dev.compute_queue().wait(halfway, 1).wait(seq, v).signal(seq, v + 1).submit(dev);
+        else if (i % 3 == 2)  // a recorded queue patched and resubmitted, among eager ones
+          recorded.update_wait(1, std::nullopt, v).update_signal(2, std::nullopt, v + 1).submit(dev);
+        else
+          dev.compute_queue().wait(gate, 1).wait(seq, v).signal(seq, v + 1).submit(dev);
+      }
+      halfway.set(1);
+    });
+    for (int i = 0; i < 1000 && !gated_submitted; ++i) std::this_thread::sleep_for(10ms);
+    const bool submit_blocked = !gated_submitted;
+    if (submit_blocked) gate.set(1);  // lets a blocked submitter go, so the failure does not hang the run
+    submitter.join();
+    CHECK_FALSE(submit_blocked);
+    CHECK(before_gate == 0);  // nothing passed the gate
+    seq.wait(static_cast<std::uint64_t>(n), 10000ms);
+    CHECK(seq.value() == static_cast<std::uint64_t>(n));
+    dev.synchronize();
+    for (const Signal& s : {gate, halfway, seq}) dev.free_signal(s);
   }, Needs{});
 }
 

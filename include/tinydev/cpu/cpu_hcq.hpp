@@ -15,6 +15,7 @@
 // Thread safety: as HCQCompiled; the workers are internal.
 #pragma once
 
+#include <array>
 #include <condition_variable>
 #include <memory>
 #include <mutex>
@@ -161,21 +162,36 @@ class CpuQueueWorker {
   }
 
  private:
+  using Words = std::shared_ptr<const std::vector<CpuCommand>>;
   void run();
+  void run_submission(const std::vector<CpuCommand>& words);
+  // Note [Submission ring] (src/cpu/cpu_hcq.cpp) says how submissions reach the worker, and Note
+  // [Worker layout] why the fields are grouped as they are: by who writes them, each group on
+  // cache lines of its own, so a pipelined submitter and its worker pass each other only the
+  // lines a hand-off needs.
+  static constexpr std::size_t kRing = 128;
+  // Set up once (thread_: by the first submit, under mutex_), then only read.
   std::string device_, lane_;
-  mutable std::mutex mutex_;
-  std::condition_variable wake_;
-  std::vector<std::shared_ptr<const std::vector<CpuCommand>>> pending_;  // swapped out whole by the worker
-  // Run submissions whose words only the worker still held: the next submit takes them and frees
-  // them on its own thread (Note [Freed where allocated]).
-  std::vector<std::shared_ptr<const std::vector<CpuCommand>>> retired_;
-  static constexpr std::size_t kMaxRetired = 128, kMaxRetiredCommands = 8;
-  std::atomic<std::uint64_t> submitted_{0};
-  std::atomic<std::uint64_t> finished_{0};
-  mutable BlockedOn blocked_;  // describe_blocked() announces itself as a reader
+  std::thread thread_;
+  std::condition_variable wake_;  // used only around sleeping
+  // Submitters' side, under mutex_; the worker takes it only to sleep and to take the overflow.
+  alignas(64) mutable std::mutex mutex_;
+  std::atomic<std::uint64_t> submitted_{0};  // every submission, ring and overflow
+  std::uint64_t head_seen_ = 0;              // a submitter's last look at head_ (never ahead of it)
   bool sleeping_ = false;
   bool stop_ = false;
-  std::thread thread_;  // started by the first submit
+  std::vector<Words> overflow_;  // submissions made while the ring was full, in order
+  // Ring positions published (stored by submitters under mutex_, spun on by the worker), and
+  // whether overflow_ holds submissions (the worker looks once the ring is empty).
+  alignas(64) std::atomic<std::uint64_t> tail_{0};
+  std::atomic<bool> overflowed_{false};
+  // The worker's own stores: ring positions run, submissions finished (once per submission),
+  // and what it runs (per kernel).
+  alignas(64) std::atomic<std::uint64_t> head_{0};
+  std::atomic<std::uint64_t> finished_{0};
+  alignas(64) mutable BlockedOn blocked_;  // describe_blocked() announces itself as a reader
+  // Slot p % kRing holds ring position p's words: written by submitters, read by the worker.
+  alignas(64) std::array<Words, kRing> ring_;
 };
 
 // A stream of `device` running on `lane` (Note [CPU streams]; src/cpu/cpu_stream.cpp).
