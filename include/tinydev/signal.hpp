@@ -49,7 +49,7 @@ struct alignas(64) SignalSlot {
   // Set by a pool whose slots a device writes without waking anyone (a GPU's stream memory
   // operation): host waiters then poll instead of sleeping on wake_seq (Note [Polled signals]).
   std::uint32_t polled = 0;
-  // Second line: read on every use and written almost never. A handle check reads `generation`,
+  // From the second line on: read on every use and written almost never. A handle check reads `generation`,
   // and a submit reads its timeline's `poisoned`; here neither pulls the first line, which the
   // device writing the signal (a worker on another core) owns between stores.
   alignas(64) std::atomic<std::uint32_t> generation{0};  // bumped by free: stale handles are detected

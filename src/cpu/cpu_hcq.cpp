@@ -115,8 +115,9 @@ CpuQueueWorker::~CpuQueueWorker() {
 // under the worker's lock, had the worker take that lock, the vector and a hand-back list every
 // batch, and nearly every batch was one submission: 1.6-2 us per kernel. With the ring the
 // worker never takes the submitters' lock in the steady state, the submitter stores tail_ with a
-// plain release store, and what still crosses is the slot, the words and their reference count:
-// 1.1-1.2 us per kernel here (the record alone, not submitted, is 0.2 us).
+// release store under that lock (taken by submitters only), and what still crosses is the slot,
+// the words and their reference count: 1.1-1.2 us per kernel here in `tinydev_bench --only hcq`,
+// 1.4 us when run after other sections (the record alone, not submitted, is 0.2 us).
 // - Freed where allocated. An eager queue is dropped right after its submit, so the run's end
 //   dropped the last reference to its words, on the worker: two blocks per submission allocated
 //   on one thread and freed on another, which glibc does under its arena lock (perf put half of
@@ -125,12 +126,14 @@ CpuQueueWorker::~CpuQueueWorker() {
 //   in their slot after their run, and the submit that reuses the slot frees them, on its own
 //   thread. Words a queue still holds are released by the worker at once, as before, so the
 //   queue reuses them in place (Note [Queue resubmission]).
-// - Memory. At most kRing submissions' words wait so while work comes; once nothing was submitted
-//   for the worker's spin budget the submitters are quiet, and the worker frees every slot before
-//   it sleeps.
+// - Memory. The words of at most kRing submissions, of any size, wait so while work comes; once
+//   nothing was submitted for the worker's spin budget the submitters are quiet, and the worker
+//   frees every slot before it sleeps.
 // - Full ring. A submit never blocks on the worker (it may be waiting for a signal the submitter
 //   sets later): past kRing unrun submissions they go to overflow_, in order, and keep going
-//   there until the worker, having emptied the ring, takes the overflow under the lock.
+//   there until the worker, having emptied the ring, takes the overflow under the lock. The
+//   worker frees overflow words itself after their run: a producer that stays 128 submissions
+//   ahead pays the cross-thread frees again, but it is ahead, not waiting.
 // - Counting. submitted_ is raised before a submission is published (ring or overflow) and
 //   finished_ after it ran, so finished_ never passes submitted_ and idle() never reports idle
 //   while a submission is queued or running (Note [Inline replay] relies on it).
@@ -209,11 +212,21 @@ void CpuQueueWorker::run() {
         }))
       continue;
     std::unique_lock lock(mutex_);
-    if (tail_.load(std::memory_order_relaxed) != head || overflowed_.load(std::memory_order_relaxed)) continue;
+    const auto work_came = [&] {
+      return tail_.load(std::memory_order_relaxed) != head || overflowed_.load(std::memory_order_relaxed);
+    };
+    if (work_came()) continue;
     // Quiet for the spin budget, and every slot has run: free what the ring still holds, here
-    // (Note [Submission ring]: memory).
-    for (Words& slot : ring_)
-      if (slot) release_snapshot(slot);
+    // (Note [Submission ring]: memory), with the lock let go so a submit coming now need not wait.
+    if (std::any_of(ring_.begin(), ring_.end(), [](const Words& slot) { return slot != nullptr; })) {
+      std::array<Words, kRing> quiet;
+      std::swap(quiet, ring_);
+      lock.unlock();
+      for (Words& words : quiet)
+        if (words) release_snapshot(words);
+      lock.lock();
+      if (work_came()) continue;
+    }
     if (stop_) return;
     sleeping_ = true;
     wake_.wait(lock, [&] {
@@ -423,7 +436,7 @@ std::string describe_slot(const SignalSlot* slot) {
 // bounce one cache line between the submitting thread and the worker on every launch). Instead the
 // programs the CPU runtimes hand out (make_cpu_program) are not deleted when their last handle
 // goes: they are retired, with how many submissions every live CPU device's compute worker had
-// taken at that moment, and deleted once each of those workers has finished that many. Any exec
+// been given at that moment, and deleted once each of those workers has finished that many. Any exec
 // that could still launch the program was submitted before, so it has run by then. Retired
 // programs are looked at again when another program retires and on every synchronize.
 namespace {

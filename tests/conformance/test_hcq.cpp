@@ -1,6 +1,7 @@
 // The seed's HCQ behaviour on every HCQ device: signals, queues and their patching, the timeline,
 // the staging ring, transfers, bad input.
 #include <atomic>
+#include <exception>
 #include <thread>
 
 #include "cpu_hcq.hpp"
@@ -133,49 +134,80 @@ TEST_CASE("hcq: resubmitting while earlier submissions are still queued leaves t
   }, Needs{});
 }
 
-// More submissions than a CPU worker's ring holds (Note [Submission ring]: kRing is 128), the
-// first few hundred queued behind one gate: a submit never blocks, and they run in submission
-// order across the ring and its overflow, also when the rest arrive while the worker is halfway
-// through the ring (held there by a second gate). Each waits for the previous one's value before
-// setting its own, so one run out of order waits for ever (a Timeout below) instead of passing.
+// Note [Submission ring] in src/cpu/cpu_hcq.cpp: a CPU worker takes submissions from a ring of 128
+// slots and an overflow list behind it. Here, in three phases, one submitting thread queues:
+// (A) a few hundred behind a closed gate: the ring fills and the rest overflow;
+// (B) 300 more while the worker is held mid-ring (submission kHeld also waits for `halfway`), so
+//     they must go on to the overflow although the ring has room again;
+// (C) 200 more while the worker is held inside the overflow list (submission kHeld2 waits for
+//     `third`): the ring is empty then, so these reuse its slots, freeing the words left in them,
+//     and overflow once more.
+// Each submission waits for its predecessor's value before setting its own, so one run out of
+// order waits for ever: the final wait is a Timeout instead of a pass. A submit must never block
+// (the submitter sets the gates itself). CPU devices only: a GPU driver's own queue may block a
+// submit past its depth (Note [CUDA queue depth]).
 TEST_CASE("hcq: hundreds of submissions behind one gate never block the submitter and run in order", "[hcq]") {
   for_each_hcq_device([](auto& dev) {
-    Signal gate = dev.alloc_signal(0), halfway = dev.alloc_signal(0), seq = dev.alloc_signal(0);
-    const int gated = 200 + static_cast<int>(fresh_seed() % 100), n = gated + 300;
-    constexpr int kHeld = 64;  // the submission that waits for `halfway` too
+    Signal gate = dev.alloc_signal(0), halfway = dev.alloc_signal(0), third = dev.alloc_signal(0),
+           seq = dev.alloc_signal(0);
+    constexpr int kHeld = 64, kHeld2 = 160;
+    const int gated = 200 + static_cast<int>(fresh_seed() % 100), phase_c = gated + 300, n = phase_c + 200;
     typename std::remove_cvref_t<decltype(dev)>::compute_queue_type recorded;
     recorded.wait(gate, 1).wait(seq, 0).signal(seq, 0);
-    std::atomic<bool> gated_submitted{false};
-    std::atomic<std::uint64_t> before_gate{~std::uint64_t{0}};
+    std::atomic<int> phase_reached{0};  // 1: A submitted, 2: B submitted, 3: C submitted
+    std::uint64_t before_gate = ~std::uint64_t{0};
+    std::exception_ptr failure;
     std::thread submitter([&] {
-      for (int i = 0; i < n; ++i) {
-        if (i == gated) {
-          gated_submitted = true;
-          before_gate = seq.value();
-          gate.set(1);
-          seq.wait(kHeld, 10000ms);  // the worker now waits at submission kHeld, mid-ring
+      try {
+        for (int i = 0; i < n; ++i) {
+          if (i == gated) {
+            phase_reached = 1;
+            before_gate = seq.value();
+            gate.set(1);
+            seq.wait(kHeld, 10000ms);  // the worker now waits at submission kHeld, mid-ring
+          } else if (i == phase_c) {
+            phase_reached = 2;
+            halfway.set(1);
+            seq.wait(kHeld2, 10000ms);  // ... and now at kHeld2, in the overflow list it took
+          }
+          const auto v = static_cast<std::uint64_t>(i);
+          if (i == kHeld || i == kHeld2)
+            dev.compute_queue().wait(i == kHeld ? halfway : third, 1).wait(seq, v).signal(seq, v + 1).submit(dev);
+          else if (i % 3 == 2)  // a recorded queue patched and resubmitted, among eager ones
+            recorded.update_wait(1, std::nullopt, v).update_signal(2, std::nullopt, v + 1).submit(dev);
+          else
+            dev.compute_queue().wait(gate, 1).wait(seq, v).signal(seq, v + 1).submit(dev);
         }
-        const auto v = static_cast<std::uint64_t>(i);
-        if (i == kHeld)
-          dev.compute_queue().wait(halfway, 1).wait(seq, v).signal(seq, v + 1).submit(dev);
-        else if (i % 3 == 2)  // a recorded queue patched and resubmitted, among eager ones
-          recorded.update_wait(1, std::nullopt, v).update_signal(2, std::nullopt, v + 1).submit(dev);
-        else
-          dev.compute_queue().wait(gate, 1).wait(seq, v).signal(seq, v + 1).submit(dev);
+        phase_reached = 3;
+      } catch (...) {
+        failure = std::current_exception();
       }
-      halfway.set(1);
+      third.set(1);
     });
-    for (int i = 0; i < 1000 && !gated_submitted; ++i) std::this_thread::sleep_for(10ms);
-    const bool submit_blocked = !gated_submitted;
-    if (submit_blocked) gate.set(1);  // lets a blocked submitter go, so the failure does not hang the run
+    // A submit that blocks would hang the submitter before it opens the gates: open them from here
+    // after 10 s, so the failure is reported instead of hanging the run.
+    for (int i = 0; i < 1000 && phase_reached < 3 && !failure; ++i) std::this_thread::sleep_for(10ms);
+    const int reached = phase_reached;
+    for (const Signal* s : {&gate, &halfway, &third}) s->set(1);
     submitter.join();
-    CHECK_FALSE(submit_blocked);
+    // On any failure the worker may be stuck on a wait for `seq` for an hour: poison it so the
+    // device drains and the tests after this one run.
+    struct PoisonOnFailure {
+      const Signal& seq;
+      bool armed = true;
+      ~PoisonOnFailure() {
+        if (armed) seq.poison("the test waiting for it failed");
+      }
+    } poison_on_failure{seq};
+    if (failure) std::rethrow_exception(failure);
+    CHECK(reached == 3);  // no submit blocked
     CHECK(before_gate == 0);  // nothing passed the gate
     seq.wait(static_cast<std::uint64_t>(n), 10000ms);
     CHECK(seq.value() == static_cast<std::uint64_t>(n));
+    poison_on_failure.armed = false;
     dev.synchronize();
-    for (const Signal& s : {gate, halfway, seq}) dev.free_signal(s);
-  }, Needs{});
+    for (const Signal& s : {gate, halfway, third, seq}) dev.free_signal(s);
+  }, Needs{.host_objects = true});
 }
 
 TEST_CASE("hcq: a timeline timeout names the wait its queue is blocked on", "[hcq]") {

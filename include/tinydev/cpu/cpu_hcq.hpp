@@ -152,7 +152,8 @@ class CpuQueueWorker {
   // submission) for 1200 ms", or "" when it is neither waiting nor running a kernel.
   std::string describe_blocked() const;
   // Whether everything submitted has finished running (nothing queued, nothing running).
-  // Submissions taken so far and submissions run to their end (Note [Program retirement]).
+  // Submissions made so far (queued, running or run) and submissions run to their end (Note
+  // [Program retirement]).
   std::uint64_t submitted() const noexcept { return submitted_.load(std::memory_order_acquire); }
   std::uint64_t finished() const noexcept { return finished_.load(std::memory_order_acquire); }
   bool idle() const noexcept {
@@ -170,10 +171,11 @@ class CpuQueueWorker {
   // cache lines of its own, so a pipelined submitter and its worker pass each other only the
   // lines a hand-off needs.
   static constexpr std::size_t kRing = 128;
-  // Set up once (thread_: by the first submit, under mutex_), then only read.
+  // Set up once (thread_: by the first submit, under mutex_), then only read; and the condition
+  // variable, touched only when the worker sleeps.
   std::string device_, lane_;
   std::thread thread_;
-  std::condition_variable wake_;  // used only around sleeping
+  std::condition_variable wake_;
   // Submitters' side, under mutex_; the worker takes it only to sleep and to take the overflow.
   alignas(64) mutable std::mutex mutex_;
   std::atomic<std::uint64_t> submitted_{0};  // every submission, ring and overflow
