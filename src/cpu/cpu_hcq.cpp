@@ -178,6 +178,11 @@ void CpuQueueWorker::run() {
   ensure_alternate_signal_stack();  // Note [Fatal signals in kernels]
   std::uint64_t head = 0;
   std::vector<Words> overflow;
+  // Whether a submission waits: in the ring past what this thread ran, or in the overflow. What
+  // the spin, the checks under the lock and the sleep all wait for.
+  const auto work_came = [&] {
+    return tail_.load(std::memory_order_acquire) != head || overflowed_.load(std::memory_order_acquire);
+  };
   while (true) {
     const std::uint64_t tail = tail_.load(std::memory_order_acquire);
     if (head != tail) {
@@ -207,14 +212,8 @@ void CpuQueueWorker::run() {
     }
     // A pipelined producer submits again within microseconds: spin a little before sleeping
     // (Note [Adaptive spinning]: the budget shrinks when the producer does not come back soon).
-    if (detail::adaptive_spin([&] {
-          return tail_.load(std::memory_order_acquire) != head || overflowed_.load(std::memory_order_acquire);
-        }))
-      continue;
+    if (detail::adaptive_spin(work_came)) continue;
     std::unique_lock lock(mutex_);
-    const auto work_came = [&] {
-      return tail_.load(std::memory_order_relaxed) != head || overflowed_.load(std::memory_order_relaxed);
-    };
     if (work_came()) continue;
     // Quiet for the spin budget, and every slot has run: free what the ring still holds, here
     // (Note [Submission ring]: memory), with the lock let go so a submit coming now need not wait.
@@ -229,9 +228,7 @@ void CpuQueueWorker::run() {
     }
     if (stop_) return;
     sleeping_ = true;
-    wake_.wait(lock, [&] {
-      return tail_.load(std::memory_order_relaxed) != head || overflowed_.load(std::memory_order_relaxed) || stop_;
-    });
+    wake_.wait(lock, [&] { return work_came() || stop_; });
     sleeping_ = false;
   }
 }
