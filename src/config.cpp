@@ -29,7 +29,7 @@ constexpr std::string_view kVariables[] = {
     "TINYDEV_ASSERT_COMPILE", "TINYDEV_CACHE_DIR",       "TINYDEV_CACHE_MAX_BYTES",
     "TINYDEV_PROFILE",        "TINYDEV_CPU_THREADS",     "TINYDEV_FATAL_SIGNALS",     "TINYDEV_COMPILE_TIMEOUT",
     "TINYDEV_CUDA_DRIVER",    "TINYDEV_CUDA_PTX",        "TINYDEV_DISK_IO",           "TINYDEV_PROFILE_MAX_EVENTS",
-    "TINYDEV_CUDA_NVRTC",
+    "TINYDEV_CUDA_NVRTC",     "TINYDEV_WAIT_TIMEOUT_MS",
 };
 constexpr std::string_view kPrefix = "TINYDEV_";
 
@@ -114,6 +114,8 @@ Settings parse_with(Get get) {
     out.cpu_threads = parse_int("TINYDEV_CPU_THREADS", *v, 1, 1024);
   if (auto v = get("TINYDEV_COMPILE_TIMEOUT"); v && !v->empty())
     out.compile_timeout_s = parse_int("TINYDEV_COMPILE_TIMEOUT", *v, 1, 86400);
+  if (auto v = get("TINYDEV_WAIT_TIMEOUT_MS"); v && !v->empty())
+    out.wait_timeout_ms = parse_int("TINYDEV_WAIT_TIMEOUT_MS", *v, 1, 86'400'000);
   if (auto v = get("TINYDEV_CUDA_DRIVER"); v && !v->empty())
     out.cuda_driver = parse_path("TINYDEV_CUDA_DRIVER", *v);
   if (auto v = get("TINYDEV_CUDA_NVRTC"); v && !v->empty())
@@ -250,6 +252,14 @@ const Settings& detail::load_settings() {
   if (!s.loaded) read_environment(s);
   if (!detail::current_settings.load(std::memory_order_relaxed)) publish(s);
   return *detail::current_settings.load(std::memory_order_relaxed);
+}
+
+std::chrono::milliseconds detail::load_wait_timeout() noexcept {
+  try {
+    return std::chrono::milliseconds(load_settings().wait_timeout_ms);
+  } catch (...) {
+    return std::chrono::milliseconds(Settings{}.wait_timeout_ms);
+  }
 }
 
 std::vector<std::string_view> known_variables() {

@@ -108,8 +108,8 @@ class CudaGraph final : public Graph {
     } catch (const std::exception&) {
       // The device failed, but a replay queued before may still run (Note [CUDA waits on failed
       // signals]), and the programs this graph holds go with it: wait for the queues to drain
-      // (past 30 s the instances are left to the context, as a hung replay's are).
-      if (!device_.wait_queues_drained(device_.has_timed_out() ? std::chrono::seconds(1) : std::chrono::seconds(30)))
+      // (past TINYDEV_WAIT_TIMEOUT_MS the instances are left to the context, as a hung replay's are).
+      if (!device_.wait_queues_drained(device_.free_wait_timeout()))
         return;
     }
     if (s.api.cuCtxSetCurrent(s.context) != CUDA_SUCCESS) return;

@@ -12,6 +12,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -40,6 +41,10 @@ struct Settings {
   std::uint64_t profile_max_events = 1'000'000; // TINYDEV_PROFILE_MAX_EVENTS: events kept; the rest counted
   int cpu_threads = 0;                          // TINYDEV_CPU_THREADS; 0 = the core count
   int compile_timeout_s = 300;                  // TINYDEV_COMPILE_TIMEOUT: a compiler subprocess's limit
+  // TINYDEV_WAIT_TIMEOUT_MS: how long a host wait for device work lasts when the caller gives no
+  // timeout (synchronize, copyout, Signal::wait, Event::wait, frees under running work), 1 ms to
+  // one day. tinygrad's HCQDEV_WAIT_TIMEOUT_MS: raise it for kernels that run longer.
+  int wait_timeout_ms = 30'000;
   std::string cuda_driver;                      // TINYDEV_CUDA_DRIVER: the driver library; "" = libcuda.so.1
   std::string cuda_nvrtc;                       // TINYDEV_CUDA_NVRTC: the NVRTC library; "" = 13 or 12 by the driver and GPUs
   bool cuda_ptx = false;                        // TINYDEV_CUDA_PTX: compile CUDA to PTX (driver JIT), not CUBIN
@@ -55,6 +60,8 @@ namespace detail {
 extern constinit std::atomic<const Settings*> current_settings;
 // settings()'s first call: reads the environment and publishes the snapshot (or throws).
 const Settings& load_settings();
+// default_wait_timeout()'s first call: load_settings(), or 30 s where that throws.
+std::chrono::milliseconds load_wait_timeout() noexcept;
 }  // namespace detail
 
 // The current settings (environment + active overrides). Throws InvalidArgument on the first call
@@ -63,6 +70,16 @@ const Settings& load_settings();
 inline const Settings& settings() {
   if (const Settings* current = detail::current_settings.load(std::memory_order_acquire)) return *current;
   return detail::load_settings();
+}
+
+// TINYDEV_WAIT_TIMEOUT_MS as a duration: the default of every `timeout` parameter of a wait for
+// device work, read at each call (so a ScopedOverride or reload_environment() applies to the next
+// wait). Never throws, so destructors and frees may call it: before any snapshot could be
+// published (an invalid environment, which the first settings() call reports) it is 30 s.
+inline std::chrono::milliseconds default_wait_timeout() noexcept {
+  if (const Settings* current = detail::current_settings.load(std::memory_order_acquire))
+    return std::chrono::milliseconds(current->wait_timeout_ms);
+  return detail::load_wait_timeout();
 }
 
 // The names of every variable tinydev reads.

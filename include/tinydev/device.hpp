@@ -96,7 +96,7 @@ class Compiled {
   // kernel still runs), marks everything submitted as finished and clears the fault. Buffers
   // written by failed work hold whatever that work left. Returns the fault it cleared ("" if
   // none).
-  virtual std::string recover(std::chrono::milliseconds timeout = std::chrono::seconds(30)) {
+  virtual std::string recover(std::chrono::milliseconds timeout = default_wait_timeout()) {
     (void)timeout;
     return {};
   }

@@ -277,15 +277,14 @@ class HCQAllocator : public LRUAllocator {
   // Returns false when the memory must not be freed: the work did not finish in time (a hung
   // kernel) or the device belongs to the parent of this forked process. The caller then leaks it
   // (and says so at TINYDEV_DEBUG=1): freeing memory a kernel still writes would corrupt whatever
-  // reuses it. A device whose wait already timed out once is waited for 1 s, not 30, so a process
-  // with a hung kernel still exits in reasonable time.
+  // reuses it. The wait lasts TINYDEV_WAIT_TIMEOUT_MS, or at most 1 s on a device whose wait
+  // already timed out once, so a process with a hung kernel still exits in reasonable time.
   bool wait_before_free(std::size_t bytes) const {
     if (!device_alive_) return true;
     if (!device_.opened_in_this_process()) return false;  // the parent's memory, even when idle
     if (device_.idle()) return true;
     try {
-      device_.wait_timeline_reached(device_.last_submitted_value(), device_.has_timed_out() ? std::chrono::seconds(1)
-                                                                                     : std::chrono::seconds(30));
+      device_.wait_timeline_reached(device_.last_submitted_value(), device_.free_wait_timeout());
     } catch (const Timeout& e) {
       debug_log(1, device_.name(), TINYDEV_FMT("leaking {} bytes instead of freeing them under running work: {}"), bytes,
                 e.what());
@@ -294,7 +293,7 @@ class HCQAllocator : public LRUAllocator {
       // The work failed (a poisoned timeline). A CPU queue stops at the failure, but a GPU's
       // queue goes on past it and its kernels still touch the memory (Note [CUDA waits on failed
       // signals]): the queues drain first, within the same time.
-      if (!device_.wait_queues_drained(device_.has_timed_out() ? std::chrono::seconds(1) : std::chrono::seconds(30))) {
+      if (!device_.wait_queues_drained(device_.free_wait_timeout())) {
         debug_log(1, device_.name(), TINYDEV_FMT("leaking {} bytes instead of freeing them under work still queued "
                                                  "after a failure"), bytes);
         return false;

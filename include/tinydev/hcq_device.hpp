@@ -311,7 +311,7 @@ class HCQCompiled : public Compiled {
   }
   // Note [Fault recovery]: after a failure the queues fail fast (each later submission's first
   // wait sees the poisoned timeline), so draining takes microseconds unless a kernel still runs.
-  std::string recover(std::chrono::milliseconds timeout = std::chrono::seconds(30)) override {
+  std::string recover(std::chrono::milliseconds timeout = default_wait_timeout()) override {
     check_not_forked();
     std::lock_guard lock(submit_mutex_);
     std::string was = fault();
@@ -390,7 +390,7 @@ class HCQCompiled : public Compiled {
   // Safe without the submit mutex (the current timeline slot is published atomically).
   // A wrap in the meantime, or before the call for a value taken before it (Note [Timeline wrap]),
   // means everything before it finished: done too.
-  void wait_timeline(std::uint64_t value, std::chrono::milliseconds timeout = std::chrono::seconds(30)) const {
+  void wait_timeline(std::uint64_t value, std::chrono::milliseconds timeout = default_wait_timeout()) const {
     const std::uint64_t wraps = wraps_.load(std::memory_order_acquire);
     wait_timeline_reached(value, timeout);
     if (has_abandoned_.load(std::memory_order_acquire)) [[unlikely]]
@@ -398,7 +398,7 @@ class HCQCompiled : public Compiled {
   }
   // Waits for everything submitted so far (last_submitted_value()). Timeout as wait_timeline; a
   // DeviceFault naming the failure when the work failed meanwhile.
-  void wait_submitted(std::chrono::milliseconds timeout = std::chrono::seconds(30)) {
+  void wait_submitted(std::chrono::milliseconds timeout = default_wait_timeout()) {
     try {
       wait_timeline_reached(last_submitted_value(), timeout);
     } catch (const Timeout&) {
@@ -410,7 +410,7 @@ class HCQCompiled : public Compiled {
   }
   // wait_timeline for waits that cover everything before `value` (synchronize, frees), where an
   // abandoned value is no error.
-  void wait_timeline_reached(std::uint64_t value, std::chrono::milliseconds timeout = std::chrono::seconds(30)) const {
+  void wait_timeline_reached(std::uint64_t value, std::chrono::milliseconds timeout = default_wait_timeout()) const {
     const std::uint64_t wraps = wraps_.load(std::memory_order_acquire);
     SignalSlot* slot = timeline_slot_.load(std::memory_order_acquire);
     if (slot->value.load(std::memory_order_acquire) >= value) return;
@@ -427,8 +427,9 @@ class HCQCompiled : public Compiled {
         if (std::chrono::steady_clock::now() >= deadline) {
           timed_out_.store(true, std::memory_order_relaxed);
           const std::string stall = describe_stall();
-          throw Timeout(fmt::format(TINYDEV_FMT("{}: waiting for timeline value {} timed out after {} ms: it is at {}{}{}"), name(),
-                                    value, timeout.count(), slot->value.load(), stall.empty() ? "" : "; ", stall));
+          throw Timeout(fmt::format(TINYDEV_FMT("{}: waiting for timeline value {} timed out after {} ms: it is at {}{}{} "
+                                                "(work that runs longer needs a longer TINYDEV_WAIT_TIMEOUT_MS)"),
+                                    name(), value, timeout.count(), slot->value.load(), stall.empty() ? "" : "; ", stall));
         }
       }
     }
@@ -436,6 +437,12 @@ class HCQCompiled : public Compiled {
   // Whether a host wait on this device's timeline ever timed out (a hung kernel, a wait nobody
   // signals): later waits that only guard a free are kept short.
   bool has_timed_out() const noexcept { return timed_out_.load(std::memory_order_relaxed); }
+  // How long a wait that only guards a free lasts: TINYDEV_WAIT_TIMEOUT_MS, or at most 1 s once a
+  // wait timed out (so a process with a hung kernel still exits in reasonable time).
+  std::chrono::milliseconds free_wait_timeout() const noexcept {
+    const std::chrono::milliseconds full = default_wait_timeout();
+    return has_timed_out() ? std::min<std::chrono::milliseconds>(std::chrono::seconds(1), full) : full;
+  }
   // The work a wait timed out on has finished since (a stream lane taken back): those waits get
   // their full time again.
   void forget_timeouts() noexcept { timed_out_.store(false, std::memory_order_relaxed); }

@@ -91,20 +91,20 @@ class HCQGraph final : public Graph {
   static constexpr std::size_t kMaxCopies = 16;
 
   // Queued work reads our kernel arguments and runs our programs: wait for the last replay's end
-  // (a poisoned signal means that work will never run). After kDestroyWait, the work is left
-  // running with what it uses leaked, never freed under it, and the destructor returns.
-  static constexpr std::chrono::seconds kDestroyWait{30};
+  // (a poisoned signal means that work will never run). After TINYDEV_WAIT_TIMEOUT_MS, the work is
+  // left running with what it uses leaked, never freed under it, and the destructor returns.
   ~HCQGraph() override {
     bool finished = true;
     if (replays_ && device_.opened_in_this_process()) {
+      const std::chrono::milliseconds timeout = default_wait_timeout();
       try {
-        signal_.wait(last_replay_end(), kDestroyWait);
+        signal_.wait(last_replay_end(), timeout);
       } catch (const Timeout& e) {
         finished = false;
         log_message(LogLevel::warning, device_.name(),
-                    fmt::format(TINYDEV_FMT("a graph destroyed while its replay still runs after {} s; leaking its kernel "
-                                "arguments and programs instead of freeing them under it: {}"),
-                                kDestroyWait.count(), e.what()));
+                    fmt::format(TINYDEV_FMT("a graph destroyed while its replay still runs after {} ms; leaking its "
+                                "kernel arguments and programs instead of freeing them under it: {}"),
+                                timeout.count(), e.what()));
       } catch (...) {
       }
     }

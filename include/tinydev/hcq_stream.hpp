@@ -388,7 +388,7 @@ class HCQLaneStream : public Stream {
   // stream's (a capture) and queues a copy from it; the capture is held with the copy's timeline
   // value and let go once the lane passed it, as the stream's buffers are. A stream holds at most kMaxCapturedBytes (64 MiB) of queued
   // captures: a copyin past that waits for the earliest ones to be copied (bounded memory, as
-  // CUDA's Note [CUDA queue depth] bounds a queue), and is a Timeout after 30 s saying so; one copyin larger than that is
+  // CUDA's Note [CUDA queue depth] bounds a queue), and is a Timeout after TINYDEV_WAIT_TIMEOUT_MS saying so; one copyin larger than that is
   // taken once nothing else is held. Captures whose copies ran are kept for the next copyins while
   // the queued ones and they stay within the same 64 MiB (memory already faulted in: a fresh
   // 64 MiB costs its page faults at every copyin), smallest fitting first. For lanes whose copy
@@ -542,7 +542,8 @@ class HCQLaneStream : public Stream {
   std::size_t queued_capture_bytes() const noexcept { return queued_capture_bytes_; }
   // Waits until a capture of `bytes` fits the budget beside the queued ones (the submit mutex held).
   void make_room_for_capture(std::size_t bytes) {
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+    const std::chrono::milliseconds timeout = default_wait_timeout();
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
     for (std::size_t queued = queued_capture_bytes(); queued > 0 && queued + bytes > kMaxCapturedBytes;
          queued = queued_capture_bytes()) {
       const auto earliest = std::find_if(held_.begin(), held_.end(), [](const Held& h) { return h.capture.size() > 0; });
@@ -550,10 +551,10 @@ class HCQLaneStream : public Stream {
       try {
         lane_.wait_timeline_reached(earliest->value, std::max(left, std::chrono::milliseconds(1)));
       } catch (const Timeout&) {
-        throw Timeout(fmt::format(TINYDEV_FMT("{}: a copyin of {} bytes waited 30 s for the stream's earlier copyins "
+        throw Timeout(fmt::format(TINYDEV_FMT("{}: a copyin of {} bytes waited {} ms for the stream's earlier copyins "
                                               "({} bytes of theirs are queued, at most {}) to be copied; the stream "
                                               "waits for work that has not come (an event not yet complete?)"),
-                                  *name_, bytes, queued, kMaxCapturedBytes));
+                                  *name_, bytes, timeout.count(), queued, kMaxCapturedBytes));
       }
       release_finished();
     }

@@ -29,6 +29,7 @@
 #include <string>
 #include <string_view>
 #include <vector>
+#include "tinydev/config.hpp"  // default_wait_timeout
 #include "tinydev/export.hpp"
 
 TINYDEV_API_BEGIN
@@ -91,9 +92,10 @@ class Signal {
   void set(std::uint64_t v) const;
   // The last timestamp a queue stored, in ns of the device clock.
   std::uint64_t timestamp() const;
-  // Blocks until value() >= wanted. Timeout after `timeout`; Error if the signal is poisoned and
-  // had not reached `wanted` when it was (whatever is written to it afterwards).
-  void wait(std::uint64_t wanted, std::chrono::milliseconds timeout = std::chrono::seconds(30)) const;
+  // Blocks until value() >= wanted. Timeout after `timeout` (TINYDEV_WAIT_TIMEOUT_MS, 30 s, unless
+  // given); Error if the signal is poisoned and had not reached `wanted` when it was (whatever is
+  // written to it afterwards).
+  void wait(std::uint64_t wanted, std::chrono::milliseconds timeout = default_wait_timeout()) const;
   // Marks a device-side failure: waiters (now and later) throw an Error carrying `reason`.
   void poison(const std::string& reason) const;
 

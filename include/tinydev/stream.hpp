@@ -13,7 +13,7 @@
 // work uses alive until that work finished, and lets them go on a later call on the stream (or
 // its synchronize) from the calling thread. copyin captures the host bytes before it returns;
 // copyout writes into host memory the caller keeps alive until its Event completed. Dropping a
-// Stream waits for its work (at most StreamOptions::drop_timeout, 30 s by default). An Event
+// Stream waits for its work (at most StreamOptions::drop_timeout, TINYDEV_WAIT_TIMEOUT_MS by default). An Event
 // stays valid after its stream is gone.
 // Thread safety: a Stream may be used from several threads (its operations are serialized); an
 // Event is a value, usable from any thread.
@@ -51,8 +51,8 @@ struct StreamOptions {
   // How long dropping the Stream waits for its queued work. Past it, a warning is logged, what the
   // work uses is kept for the life of the process (never freed under it), and the stream's lane
   // is taken back only once that work finished without a fault; until then it counts toward the
-  // device's limit.
-  std::chrono::milliseconds drop_timeout = std::chrono::seconds(30);
+  // device's limit. By default TINYDEV_WAIT_TIMEOUT_MS (30 s), as it is when the options are made.
+  std::chrono::milliseconds drop_timeout = default_wait_timeout();
 };
 
 // A point in a stream's work: complete once the stream's timeline signal reached `value`.
@@ -68,7 +68,7 @@ class Event {
   bool query() const;
   // Blocks until the work finished. Timeout naming the stream and the value after `timeout`;
   // DeviceFault if the work failed.
-  void wait(std::chrono::milliseconds timeout = std::chrono::seconds(30)) const;
+  void wait(std::chrono::milliseconds timeout = default_wait_timeout()) const;
 
   const Signal& signal() const noexcept { return signal_; }  // empty for a complete-from-the-start event
   std::uint64_t value() const noexcept { return value_; }
@@ -113,11 +113,11 @@ class Stream {
   // An event completed once everything given to this stream so far finished.
   virtual Event record() = 0;
   // Waits for everything given to this stream so far (and lets go of what its work kept alive).
-  virtual void synchronize(std::chrono::milliseconds timeout = std::chrono::seconds(30)) = 0;
+  virtual void synchronize(std::chrono::milliseconds timeout = default_wait_timeout()) = 0;
 
   // Sticky faults, as Compiled::fault and Compiled::recover, for this stream alone.
   virtual std::string fault() const = 0;
-  virtual std::string recover(std::chrono::milliseconds timeout = std::chrono::seconds(30)) = 0;
+  virtual std::string recover(std::chrono::milliseconds timeout = default_wait_timeout()) = 0;
 
  protected:
   Stream() = default;

@@ -672,6 +672,16 @@ TEST_CASE("serving: graph replays with new inputs on a stream held behind an eve
     CHECK(std::chrono::steady_clock::now() - t0 < 10s);
     std::this_thread::sleep_for(20ms);
     CHECK_FALSE(last.query());  // still behind the gate
+    // On the CPU devices one more waits for the oldest replay to finish reading its kernel
+    // arguments (Note [HCQ graph replay]): with the gate shut, a Timeout after
+    // TINYDEV_WAIT_TIMEOUT_MS saying why, and the graph as it was.
+    if (dynamic_cast<cpu::CpuHCQDevice*>(static_cast<Compiled*>(&dev))) {
+      const int ms = 50 + static_cast<int>(fresh_seed() % 100);
+      ScopedOverride timeout("TINYDEV_WAIT_TIMEOUT_MS", std::to_string(ms));
+      CHECK_THROWS_WITH(replay_new(), Catch::Contains("16 replays of this graph are queued and not finished") &&
+                                          Catch::Contains("timed out after " + std::to_string(ms) + " ms"));
+      --replayed;  // its request is replayed below
+    }
     // One more than the graph keeps kernel arguments for: it may wait for the oldest replay, which
     // runs once the helper opens the gate.
     std::thread opener([&] {
@@ -693,6 +703,65 @@ TEST_CASE("serving: graph replays with new inputs on a stream held behind an eve
       requests[i].out.copyout(bytes_of(back));
       CHECK(back == add_reference(add_reference(requests[i].x, requests[i].y), requests[i].y));
     }
+    dev.free_signal(gate);
+  }, kHcqKernels);
+}
+
+TEST_CASE("serving: waits given no timeout last TINYDEV_WAIT_TIMEOUT_MS and work that runs longer completes under a longer one",
+          "[serving]") {
+  for_each_hcq_device([](auto& dev) {
+    auto add = load_add(dev);
+    const std::size_t n = 32 + fresh_seed() % 100;
+    AddOperands ops(dev, n);
+    dev.synchronize();  // the operands landed (the default queue is not ordered with streams)
+    Signal gate = dev.alloc_signal(0);
+    auto stream = dev.create_stream(StreamOptions{.run_inline_when_idle = false});
+    const OpenGateAtExit open_gate{gate};  // before the stream goes, if a check throws
+    // A kernel on a stream and the device's own timeline, both held behind the gate: work that
+    // runs longer than the waits' timeout, as far as the host can tell.
+    stream->wait(Event(gate, 1, nullptr));
+    const Event done = launch_add(*stream, add, ops.out, ops.ba, ops.bb, n);
+    {
+      std::lock_guard lock(dev.submit_mutex());
+      const std::uint64_t v = dev.next_timeline_value();
+      dev.compute_queue().wait(dev.timeline_signal(), v - 1).wait(gate, 1).signal(dev.timeline_signal(), v).submit(dev);
+    }
+    const int ms = 50 + static_cast<int>(fresh_seed() % 100);
+    {
+      ScopedOverride timeout("TINYDEV_WAIT_TIMEOUT_MS", std::to_string(ms));
+      const std::string after = "after " + std::to_string(ms) + " ms";
+      const auto t0 = std::chrono::steady_clock::now();
+      CHECK_THROWS_WITH(dev.synchronize(), Catch::Contains(after) && Catch::Contains("TINYDEV_WAIT_TIMEOUT_MS"));
+      CHECK(std::chrono::steady_clock::now() - t0 >= std::chrono::milliseconds(ms));
+      CHECK_THROWS_WITH(done.wait(), Catch::Contains(after));
+      CHECK_THROWS_AS(stream->synchronize(), Timeout);
+      CHECK_THROWS_WITH(gate.wait(1), Catch::Contains(after) && Catch::Contains("TINYDEV_WAIT_TIMEOUT_MS"));
+      CHECK(StreamOptions{}.drop_timeout == std::chrono::milliseconds(ms));
+    }
+    // The same waits under a timeout longer than the work: the gate opens after three of the short
+    // timeouts, and they return once it did.
+    {
+      ScopedOverride timeout("TINYDEV_WAIT_TIMEOUT_MS", "20000");
+      const auto t0 = std::chrono::steady_clock::now();
+      std::thread opener([&] {
+        std::this_thread::sleep_for(std::chrono::milliseconds(3 * ms));
+        gate.set(1);
+      });
+      try {
+        dev.synchronize();
+        done.wait();
+        stream->synchronize();
+      } catch (...) {
+        opener.join();
+        throw;
+      }
+      opener.join();
+      CHECK(std::chrono::steady_clock::now() - t0 >= std::chrono::milliseconds(3 * ms));
+    }
+    std::vector<float> back(n);
+    ops.out.copyout(bytes_of(back));
+    CHECK(back == add_reference(ops.a, ops.b));
+    stream.reset();
     dev.free_signal(gate);
   }, kHcqKernels);
 }

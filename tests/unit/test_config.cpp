@@ -1,6 +1,7 @@
 #include <cstdlib>
 
 #include "support.hpp"
+#include "tinydev/stream.hpp"  // StreamOptions
 
 using namespace tinydev;
 
@@ -52,6 +53,26 @@ TEST_CASE("config: the environment is read once and reload rejects bad values", 
   ::unsetenv("TINYDEV_DEBUG");
   reload_environment();
   CHECK(settings().debug == 0);
+}
+
+TEST_CASE("config: TINYDEV_WAIT_TIMEOUT_MS is the default timeout of waits - read at each wait", "[config]") {
+  using std::chrono::milliseconds;
+  {
+    ScopedOverride unset("TINYDEV_WAIT_TIMEOUT_MS", std::nullopt);
+    CHECK(default_wait_timeout() == milliseconds(30'000));  // tinygrad's HCQDEV_WAIT_TIMEOUT_MS default
+    CHECK(StreamOptions{}.drop_timeout == milliseconds(30'000));
+  }
+  const int ms = 1 + static_cast<int>(testing::fresh_seed() % 86'400'000);
+  {
+    ScopedOverride set("TINYDEV_WAIT_TIMEOUT_MS", std::to_string(ms));
+    CHECK(settings().wait_timeout_ms == ms);
+    CHECK(default_wait_timeout() == milliseconds(ms));
+    CHECK(StreamOptions{}.drop_timeout == milliseconds(ms));
+  }
+  for (const char* bad : {"0", "86400001", "30s", "-5", "1e3"})
+    CHECK_THROWS_WITH(ScopedOverride("TINYDEV_WAIT_TIMEOUT_MS", bad),
+                      Catch::Contains(std::string("TINYDEV_WAIT_TIMEOUT_MS='") + bad) &&
+                          Catch::Contains("from 1 to 86400000"));
 }
 
 TEST_CASE("config: an override of nullopt acts as unset", "[config]") {
