@@ -259,7 +259,7 @@ void check_sizes(const std::string& kernel, const std::string& device, Dim3 g, D
 // them without bound (a serving loop copying requests in faster than the GPU takes them). So a
 // lane holds at most kMaxCapturedBytes (64 MiB) of them: a copyin that would go past waits first
 // for the earliest ones to be copied, as a submission past the queue depth waits (Note [CUDA queue
-// depth]), and throws Timeout after 30 s saying so. One copyin larger than the limit is taken once
+// depth]), and throws Timeout after TINYDEV_WAIT_TIMEOUT_MS saying so. One copyin larger than the limit is taken once
 // nothing else is held. The limit is per lane, so at most 64 streams x 64 MiB at once; a copyin
 // that runs on the caller (an idle lane, run_inline_when_idle) captures nothing: it is copied
 // through the ring before the call returns.
@@ -434,7 +434,7 @@ CudaProgram::~CudaProgram() {
     } catch (const std::exception&) {
       // The device failed, but work queued before may still run (Note [CUDA waits on failed
       // signals]): not under a kernel of this module.
-      if (!device_.wait_queues_drained(device_.has_timed_out() ? std::chrono::seconds(1) : std::chrono::seconds(30))) {
+      if (!device_.wait_queues_drained(device_.free_wait_timeout())) {
         debug_log(1, device_.name(), "'{}' is unloaded at exit only: its failed device's queues did not drain", name());
         return;
       }
@@ -669,7 +669,21 @@ void CudaCopyQueue::_submit(Compiled& device) {
 
 // ---- allocator --------------------------------------------------------------------------------
 
-CudaAllocator::CudaAllocator(CudaHCQDevice& device) : HCQAllocator<CudaHCQDevice>(device) {}
+// Note [CUDA cache bound]
+// The seed's cache is unbounded: memory a model frees between steps is what it allocates again,
+// and cuMemFree is slow and may synchronize the whole device (Note [CUDA implicit
+// synchronization]). The LRU layer's default bound is for host memory (1/16 of it, at most 2 GiB:
+// Note [Default LRU bound]), which on a GPU of 80 GiB freed any buffer over 2 GiB at once and
+// evicted (cuMemFree, waiting for queued work) from the third 1 GiB buffer freed. A CUDA
+// allocator's cache is bounded by the GPU's memory instead: in effect the seed's, since out of
+// memory empties it (the ladder in LRUAllocator::alloc), and pinned host buffers (host=true)
+// share it. TINYDEV_LRU_MAX_BYTES still overrides it.
+std::uint64_t CudaHCQDevice::total_memory() const noexcept { return state_->total_memory; }
+
+CudaAllocator::CudaAllocator(CudaHCQDevice& device, std::uint64_t device_memory)
+    : HCQAllocator<CudaHCQDevice>(device) {
+  set_default_max_bytes(device_memory);
+}
 
 CudaAllocator::~CudaAllocator() {
   release_ring();
@@ -742,7 +756,7 @@ void CudaAllocator::free_impl(Allocation allocation, std::size_t size, const Buf
 // ---- the device -------------------------------------------------------------------------------
 
 CudaHCQDevice::CudaHCQDevice(const std::string& name, std::shared_ptr<DeviceState> state)
-    : HCQCompiled(name, std::make_shared<CudaAllocator>(*this),
+    : HCQCompiled(name, std::make_shared<CudaAllocator>(*this, state->total_memory),
                   std::make_unique<CudaCompiler>(arch_for(state->major, state->minor), settings().cuda_ptx),
                   std::make_unique<CudaRuntime>(*this), SourceLanguage::CUDA, shared_signal_pool(state)),
       state_(std::move(state)),
@@ -769,7 +783,7 @@ CudaHCQDevice::CudaHCQDevice(const std::string& name, std::shared_ptr<DeviceStat
 }
 
 CudaHCQDevice::CudaHCQDevice(CudaHCQDevice& parent, const std::string& lane_name)
-    : HCQCompiled(lane_name, std::make_shared<CudaAllocator>(*this), parent.shared_compiler(), parent.shared_runtime(),
+    : HCQCompiled(lane_name, std::make_shared<CudaAllocator>(*this, parent.state_->total_memory), parent.shared_compiler(), parent.shared_runtime(),
                   SourceLanguage::CUDA, shared_signal_pool(parent.state_)),
       state_(open_lane_state(*parent.state_, lane_name)),
       kernargs_(lane_name),
@@ -2034,7 +2048,16 @@ void release_at_exit() {
 void retain_context_and_queues(DeviceState& state, bool load_kernels) {
   const Driver& api = state.api;
   const std::string& name = state.name;
-  check(api.cuDevicePrimaryCtxRetain(&state.context, state.device), "cuDevicePrimaryCtxRetain", name);
+  const CUresult retained = api.cuDevicePrimaryCtxRetain(&state.context, state.device);
+  // A GPU in exclusive-process compute mode that another process holds, or a prohibited one: not
+  // this process's to open, as a GPU that is not there (the default-device probe moves on).
+  if (retained == CUDA_ERROR_DEVICE_UNAVAILABLE)
+    throw DeviceUnavailable(fmt::format(
+        "{}: the driver says the GPU is unavailable (CUDA_ERROR_DEVICE_UNAVAILABLE): its compute mode is "
+        "exclusive-process and another process uses it, or it is prohibited (`nvidia-smi --query-gpu=compute_mode` "
+        "says which); use another GPU or wait for that process",
+        name));
+  check(retained, "cuDevicePrimaryCtxRetain", name);
   try {
     state.make_current();
     check(api.cuStreamCreate(&state.compute, CU_STREAM_NON_BLOCKING), "cuStreamCreate", name);
@@ -2106,6 +2129,9 @@ std::shared_ptr<DeviceState> open_state(const std::string& name) {
   state->minor = attribute(*state, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, "compute capability");
   state->memops = attribute(*state, CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS, "stream mem ops") != 0;
   state->kernel_time_limit = attribute(*state, CU_DEVICE_ATTRIBUTE_KERNEL_EXEC_TIMEOUT, "kernel time limit") != 0;
+  std::size_t total_memory = 0;
+  check(api.cuDeviceTotalMem(&total_memory, state->device), "cuDeviceTotalMem", name);
+  state->total_memory = total_memory;
   // Note [CUDA queues]: without memory operations a wait is a kernel that spins, and a time limit
   // (a display attached, WSL) kills it, and the context with it, when the wait lasts too long.
   if (!state->memops && state->kernel_time_limit)
@@ -2133,6 +2159,7 @@ std::shared_ptr<DeviceState> open_lane_state(const DeviceState& parent, const st
   state->major = parent.major;
   state->minor = parent.minor;
   state->memops = parent.memops;
+  state->total_memory = parent.total_memory;
   // The parent's queue kernels: its module lives as long as the process.
   state->timestamp = parent.timestamp;
   state->signal = parent.signal;

@@ -219,7 +219,8 @@ class CudaCopyQueue final : public HWCopyQueue<CudaCopyQueue, CudaCommand> {
 // (cuMemHostAlloc), which the staging ring's slots are too.
 class CudaAllocator final : public HCQAllocator<CudaHCQDevice> {
  public:
-  explicit CudaAllocator(CudaHCQDevice& device);
+  // `device_memory` (the GPU's) is the cache's default bound (Note [CUDA cache bound]).
+  CudaAllocator(CudaHCQDevice& device, std::uint64_t device_memory);
   ~CudaAllocator() override;
   std::string describe() const override;
   // Pinned host buffers (host=true, tagged by their Allocation::backend): copies to and from them
@@ -334,6 +335,8 @@ class CudaHCQDevice final : public HCQCompiled<CudaComputeQueue, CudaCopyQueue> 
   std::map<std::string, std::string> properties() const override;
 
   DeviceState& state() const noexcept { return *state_; }
+  // The GPU's memory (cuDeviceTotalMem at open): its allocator's cache bound (Note [CUDA cache bound]).
+  std::uint64_t total_memory() const noexcept;
   // Throws the Error of a sticky failure seen earlier (Note [CUDA failures]), the DeviceFault of
   // one recover() clears, nothing otherwise.
   void throw_if_failed() const;
@@ -344,7 +347,7 @@ class CudaHCQDevice final : public HCQCompiled<CudaComputeQueue, CudaCopyQueue> 
   // Note [CUDA recovery]: after a sticky driver error the context is unusable and the driver
   // offers no way back short of destroying it: recover() refuses then; other faults (a poisoned
   // signal this device waited for) recover as on the CPU.
-  std::string recover(std::chrono::milliseconds timeout = std::chrono::seconds(30)) override;
+  std::string recover(std::chrono::milliseconds timeout = default_wait_timeout()) override;
 
  protected:
   void on_timeline_wrapped() override;
@@ -458,7 +461,7 @@ class CudaHCQDevice final : public HCQCompiled<CudaComputeQueue, CudaCopyQueue> 
   void add_host_copy(std::vector<CudaCommand>& commands, std::uint64_t value, std::byte* to, const std::byte* from,
                      std::size_t n, bool unless_poisoned, CaptureBlock* capture = nullptr);
   // Before a copyin captures `bytes` more: waits until the lane holds few enough captured bytes
-  // (Note [CUDA copyin captures]); Timeout after 30 s (submit mutex held).
+  // (Note [CUDA copyin captures]); Timeout after TINYDEV_WAIT_TIMEOUT_MS (submit mutex held).
   void wait_for_capture_room(std::size_t bytes);
   CudaHCQDevice* parent_ = nullptr;  // a lane's device
   StreamLanes<CudaHCQDevice> lanes_;

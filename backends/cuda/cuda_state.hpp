@@ -33,6 +33,7 @@ struct DeviceState {
   int major = 0, minor = 0;        // compute capability, read once at open
   bool memops = false;             // CAN_USE_64_BIT_STREAM_MEM_OPS
   bool kernel_time_limit = false;  // KERNEL_EXEC_TIMEOUT: the driver ends kernels that run too long
+  std::uint64_t total_memory = 0;  // cuDeviceTotalMem: the device allocator's cache bound (Note [CUDA cache bound])
   std::atomic<bool> released{false};  // Note [CUDA at exit]
 
   // Driver calls act on the calling thread's current context.

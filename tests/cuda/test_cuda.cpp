@@ -527,15 +527,19 @@ TEST_CASE("cuda gpu: an allocation larger than the GPU is OutOfMemory and the de
   CHECK(back == data);
 }
 
-TEST_CASE("cuda gpu: a graph's copy node of more than 2 GiB copies every byte range it spans", "[cuda][gpu]") {
-  Compiled* dev = gpu();
+TEST_CASE("cuda gpu: a graph's copy node of more than 2 GiB copies every byte range it spans", "[cuda][gpu][cuda-2gib-copy]") {
+  auto* dev = dynamic_cast<cuda::CudaHCQDevice*>(gpu());
   if (!dev) return;
   // Past 2^31 - 1 bytes a memcpy node's pitch is not given (Note [CUDA graph replay], copy_params):
-  // only a real driver can say whether it takes that.
-  if (dev->properties().at("gpu").find("tinydev fake GPU") != std::string::npos)
-    return skip("two buffers of over 2 GiB do not fit the fake driver's 256 MiB: a real GPU runs this");
+  // only a real driver can say whether it takes that. The fake runs it too, with 6 GiB (a probe
+  // below), which checks the test itself.
+  if (dev->total_memory() < (std::uint64_t{5} << 30))
+    return skip(fmt::format("two buffers of over 2 GiB do not fit this GPU's {} bytes (the fake driver's 256 MiB "
+                            "unless FAKE_CUDA_MEMORY says more)",
+                            dev->total_memory()));
   const std::size_t chunk = std::size_t{1} << 20;
-  const std::size_t size = (std::size_t{2} << 30) + 4096 + 16 * (fresh_seed() % 256);
+  // The three ranges below, apart: the first, one across the 2 GiB mark, and the last.
+  const std::size_t size = (std::size_t{2} << 30) + 2 * chunk + 4096 + 16 * (fresh_seed() % 256);
   Buffer src(dev->name(), size, dtypes::uint8), dst(dev->name(), size, dtypes::uint8);
   src.allocate();
   dst.allocate();
@@ -544,17 +548,61 @@ TEST_CASE("cuda gpu: a graph's copy node of more than 2 GiB copies every byte ra
   std::vector<std::vector<std::byte>> wanted;
   for (const std::size_t offset : offsets) {
     wanted.push_back(random_bytes(chunk, fresh_seed()));
-    src.view(chunk, dtypes::uint8, offset).copyin(wanted.back());
-    dst.view(chunk, dtypes::uint8, offset).copyin(random_bytes(chunk, fresh_seed()));
+    src.view(chunk, dtypes::uint8, offset).allocate().copyin(wanted.back());
+    dst.view(chunk, dtypes::uint8, offset).allocate().copyin(random_bytes(chunk, fresh_seed()));
   }
   auto graph = dev->create_graph({GraphCopy{GraphBuffer::in(0), GraphBuffer::in(1), size}});
   graph->replay(std::vector<Allocation>{dst.allocation(), src.allocation()}, {}, /*wait=*/true);
   for (std::size_t i = 0; i < std::size(offsets); ++i) {
     INFO("the range at " << offsets[i]);
     std::vector<std::byte> back(chunk);
-    dst.view(chunk, dtypes::uint8, offsets[i]).copyout(back);
+    dst.view(chunk, dtypes::uint8, offsets[i]).allocate().copyout(back);
     CHECK(back == wanted[i]);
   }
+}
+
+// Note [CUDA cache bound]: a CUDA allocator's cache is bounded by the GPU's memory, not by the host
+// memory default (1/16 of it, at most 2 GiB), which freed a buffer past it at once: the next
+// allocation of its size was a cuMemAlloc (and the free a cuMemFree, which may synchronize the
+// device). Tagged for a probe as well: the fake driver runs it with a GPU of 8 GiB, where the buffer
+// is past the host's bound.
+TEST_CASE("cuda gpu: a freed buffer larger than the host's cache bound stays cached for the next allocation of its size",
+          "[cuda][gpu][cuda-cache-bound]") {
+  auto* dev = dynamic_cast<cuda::CudaHCQDevice*>(gpu());
+  if (!dev) return;
+  const std::uint64_t memory = dev->total_memory();
+  Allocator& allocator = dev->allocator();
+  REQUIRE(memory > 0);
+  CHECK(allocator.stats().max_bytes == memory);
+  {
+    ScopedOverride bound("TINYDEV_LRU_MAX_BYTES", "64M");  // the setting still decides
+    CHECK(allocator.stats().max_bytes == std::uint64_t{64} << 20);
+  }
+  // Past the host's bound where the GPU has room for it twice; else (the fake's 256 MiB) a quarter
+  // of the GPU, which checks only the bookkeeping.
+  const std::uint64_t host_bound = default_host_cache_bound();
+  std::size_t size = host_bound + (std::size_t{1} << 20) + 4096 * (fresh_seed() % 256);
+  if (size > memory / 2) size = memory / 4 + 4096 * (fresh_seed() % 256);
+  INFO("a buffer of " << size << " bytes, the host's bound " << host_bound << ", the GPU's memory " << memory);
+  const auto data = random_bytes(1 << 16, fresh_seed());
+  const AllocatorStats before = allocator.stats();
+  {
+    Buffer b(dev->name(), size, dtypes::uint8);
+    b.allocate();
+    b.view(data.size(), dtypes::uint8, size - data.size()).allocate().copyin(data);  // used, at its far end
+    dev->synchronize();
+  }
+  const AllocatorStats cached = allocator.stats();
+  CHECK(cached.evictions == before.evictions);
+  CHECK(cached.bytes_cached == before.bytes_cached + size);
+  Buffer again(dev->name(), size, dtypes::uint8);
+  again.allocate();
+  CHECK(allocator.stats().hits == cached.hits + 1);
+  CHECK(allocator.stats().misses == cached.misses);
+  // The memory is the same: its far end still holds the bytes written before.
+  std::vector<std::byte> back(data.size());
+  again.view(data.size(), dtypes::uint8, size - data.size()).allocate().copyout(back);
+  CHECK(back == data);
 }
 
 // ---- against the fake driver (tests/cuda/fake_driver): the paths a GPU rarely shows ---------------
@@ -614,6 +662,16 @@ TEST_CASE("cuda fake: Device.available lists every GPU the driver counts by ordi
   std::vector<std::string> expected;
   for (unsigned i = 0; i < gpus; ++i) expected.push_back(i == 0 ? "CUDA" : "CUDA:" + std::to_string(i));
   CHECK(Device.available() == expected);
+}
+
+TEST_CASE("cuda fake: on a GPU of 6 GiB a graph's copy node of more than 2 GiB copies every byte range it spans", "[cuda][fake]") {
+  if (!fake_gpu()) return;
+  CHECK(run_probe("[cuda-2gib-copy]", {{"FAKE_CUDA_MEMORY", std::to_string(std::uint64_t{6} << 30)}}) == 0);
+}
+
+TEST_CASE("cuda fake: on a GPU of 8 GiB a freed buffer larger than the host's cache bound stays cached", "[cuda][fake]") {
+  if (!fake_gpu()) return;
+  CHECK(run_probe("[cuda-cache-bound]", {{"FAKE_CUDA_MEMORY", std::to_string(std::uint64_t{8} << 30)}}) == 0);
 }
 
 TEST_CASE("cuda fake: out of device memory frees the LRU cache and retries once", "[cuda][fake]") {
@@ -703,6 +761,27 @@ TEST_CASE("cuda fake: cuInit failing is DeviceUnavailable saying there is no GPU
     CHECK_THAT(what, Catch::Contains("did not initialize") && Catch::Contains("CUDA_ERROR_NO_DEVICE") &&
                          Catch::Contains("no NVIDIA GPU"));
   }
+}
+
+TEST_CASE("cuda fake: a GPU another process holds in exclusive compute mode is DeviceUnavailable saying so - and opens once it is free", "[cuda][fake]") {
+  if (!fake_gpu()) return;
+  {
+    FakeEnv fail("FAKE_CUDA_FAIL", "cuDevicePrimaryCtxRetain=46");  // CUDA_ERROR_DEVICE_UNAVAILABLE
+    try {
+      Device["CUDA:1"];
+      return skip("CUDA:1 was opened before this test (run it alone, as ctest does)");
+    } catch (const DeviceUnavailable& e) {
+      CHECK_THAT(std::string(e.what()), Catch::Contains("CUDA:1") && Catch::Contains("CUDA_ERROR_DEVICE_UNAVAILABLE") &&
+                                            Catch::Contains("exclusive-process"));
+    }
+  }
+  // A failed open is tried again (the seed's registry caches only what opened).
+  const auto data = random_bytes(4096, fresh_seed());
+  Buffer b("CUDA:1", data.size(), dtypes::uint8);
+  b.allocate().copyin(data);
+  std::vector<std::byte> back(data.size());
+  b.copyout(back);
+  CHECK(back == data);
 }
 
 // ---- HCQ on the fake driver: streams, stream memory operations, failures, peers ----------------
@@ -1658,8 +1737,10 @@ TEST_CASE("cuda fake: a copyin past a stream's 64 MiB that the stream never gets
   const std::size_t n = inputs[0].size();
   stream->copyin(buffers[0], std::as_bytes(std::span(inputs[0])));
   Event second = stream->copyin(buffers[1], std::as_bytes(std::span(inputs[1])));
-  // The gate stays shut: after 30 s the third copyin gives up, saying what holds it.
+  // The gate stays shut: after TINYDEV_WAIT_TIMEOUT_MS (here 300 ms) the third copyin gives up,
+  // saying what holds it.
   try {
+    ScopedOverride timeout("TINYDEV_WAIT_TIMEOUT_MS", "300");
     stream->copyin(buffers[2], std::as_bytes(std::span(inputs[2])));
     FAIL("a copyin past the limit behind a shut gate returned");
   } catch (const Timeout& e) {
@@ -1772,7 +1853,7 @@ bool all_sentinel(const std::vector<float>& v) {
 
 }  // namespace
 
-TEST_CASE("cuda gpu: a stream's copyout behind an event returns at once - in chunks through bounce memory - pinned sources too - in stream order", "[cuda][gpu]") {
+TEST_CASE("cuda gpu: a stream's copyout behind an event returns at once - in chunks through bounce memory - pinned sources too - in stream order", "[cuda][gpu][gated]") {
   Compiled* dev = gpu();
   if (!dev) return;
   auto add = dev->load_kernel("add", kernels::add_f32(SourceLanguage::CUDA));
@@ -1829,7 +1910,7 @@ TEST_CASE("cuda gpu: a stream's copyout behind an event returns at once - in chu
   hcq->free_signal(gate);
 }
 
-TEST_CASE("cuda gpu: a stream's copyin behind an event reads the caller's bytes and returns at once - more than the lane's ring holds - into pinned buffers too", "[cuda][gpu]") {
+TEST_CASE("cuda gpu: a stream's copyin behind an event reads the caller's bytes and returns at once - more than the lane's ring holds - into pinned buffers too", "[cuda][gpu][gated]") {
   Compiled* dev = gpu();
   if (!dev) return;
   auto* hcq = dynamic_cast<cuda::CudaHCQDevice*>(dev);
@@ -2610,10 +2691,13 @@ TEST_CASE("cuda fake: a copyin after a copyout that timed out with chunks still 
     }
   } cleanup{hold, unhold, allocator, old_slot, old_slots};
   // The copy engine stalls: the copyout queues a chunk into every slot and times out waiting for
-  // the first (30 s), the chunks still queued.
+  // the first (TINYDEV_WAIT_TIMEOUT_MS, here 500 ms), the chunks still queued.
   hold(1);
   std::vector<float> back(n);
-  CHECK_THROWS_AS(source.copyout(std::span<float>(back)), Timeout);
+  {
+    ScopedOverride timeout("TINYDEV_WAIT_TIMEOUT_MS", "500");
+    CHECK_THROWS_AS(source.copyout(std::span<float>(back)), Timeout);
+  }
   const long held = fake_calls("held copy to host");
   CHECK(held >= 1);
   // A copyin now must wait for the slot it takes: the stalled chunk queued into it would write
