@@ -473,6 +473,9 @@ TEST_CASE("hcq: bad input is an error before anything is queued", "[hcq]") {
     CHECK_THROWS_WITH(q2.update_signal(5, std::nullopt, 2), Catch::Contains("out of range"));
     CHECK_THROWS_WITH(q2.update_wait(0, std::nullopt, 2), Catch::Contains("called update_wait not on a wait command"));
     CHECK_THROWS_WITH(q2.update_exec(0, {1, 1, 1}, {1, 1, 1}), Catch::Contains("not on a exec command"));
+    q2.wait(s, 0);
+    CHECK_THROWS_WITH(q2.update_signal(1, std::nullopt, 2),
+                      Catch::Contains("called update_signal not on a signal command: command 1 is a wait"));
     // A copy past a buffer's end.
     auto c = dev.copy_queue();
     CHECK_THROWS_WITH(c.copy(a.allocation(), b.allocation(), b.nbytes()),
@@ -481,6 +484,9 @@ TEST_CASE("hcq: bad input is an error before anything is queued", "[hcq]") {
     CHECK(c.size() == 0);
     c.copy(b.allocation(), a.allocation(), a.nbytes());
     CHECK_THROWS_AS(c.update_copy(0, std::nullopt, Allocation{a.allocation().va_addr, 4, nullptr}), InvalidArgument);
+    c.signal(s, 1);
+    CHECK_THROWS_WITH(c.update_copy(1, b.allocation(), std::nullopt),
+                      Catch::Contains("called update_copy not on a copy command: command 1 is a signal"));
     // Submitting to a device of another kind.
     CHECK_THROWS_WITH(q2.submit(Device["FAKE"]), Catch::Contains("cannot submit"));
     CHECK(s.value() == 0);  // nothing half-submitted
