@@ -1285,9 +1285,10 @@ void CudaHCQDevice::fail_gpu_waits() {
       });
       const auto at = static_cast<std::size_t>(failed - p.ops.begin());
       if (failed == p.ops.end() || at >= p.failed_at) continue;
-      const std::string reason =
-          fmt::format("{}: its queued work waited on the GPU for value {} of a signal that failed: {}", name(),
-                      failed->value, failed->slot->poison_text());
+      // The same words as submit_commands' for a wait it found failed before issuing it: this
+      // submission may still be issuing, and either of the two may say it first.
+      const std::string reason = fmt::format("{}: its queue waits for value {} of a signal that failed: {}", name(),
+                                             failed->value, failed->slot->poison_text());
       for (std::size_t i = at + 1; i < std::min(p.failed_at, p.ops.size()); ++i)
         if (!p.ops[i].is_wait) poisons.push_back(Poison{p.ops[i].slot, p.ops[i].reuses, reason});
       failures.emplace_back(p.id, at);

@@ -2160,9 +2160,9 @@ TEST_CASE("cuda fake: a GPU queue waiting for a signal that failed fails its dev
   upstream.poison(cause);  // its value will never come
   const auto start = std::chrono::steady_clock::now();
   CHECK_THROWS_WITH(dev->synchronize(),
-                    Catch::Contains(fmt::format("waited on the GPU for value {} of a signal that failed", wanted)) &&
+                    Catch::Contains(fmt::format("its queue waits for value {} of a signal that failed", wanted)) &&
                         Catch::Contains(cause));
-  CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(5));  // not the 30 s timeout
+  CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(5));  // not TINYDEV_WAIT_TIMEOUT_MS
   CHECK_THAT(dev->fault(), Catch::Contains(cause));
   // The GPU's wait was let go (the failed signal now holds the value it wanted, and stays failed),
   // so the queue drains and recover() goes on as on the CPU.
@@ -2274,6 +2274,8 @@ TEST_CASE("cuda fake: a queue whose wait failed before it was submitted issues n
   root.poison(cause);
   dev->compute_queue().signal(before, 3).wait(root, 1).signal(after, 4).submit(*dev);
   before.wait(3, std::chrono::seconds(5));  // what came before the wait ran
+  // (The failed-wait watcher may see the submission while it is issued and poison `after` first,
+  // in the same words.)
   CHECK_THROWS_WITH(after.wait(4, std::chrono::seconds(5)),
                     Catch::Contains("its queue waits for value 1 of a signal that failed") && Catch::Contains(cause));
   // The wait never reached the GPU: the stream is not held up, and nothing had to let it go (an
@@ -2386,8 +2388,8 @@ TEST_CASE("cuda fake: a sticky error while a graph is built marks the device fai
 TEST_CASE("cuda gpu: renderer-style kernels match the CPU (elementwise to half - bf16 reduction - shared-memory matmul)", "[cuda][gpu]") {
   Compiled* dev = gpu();
   if (!dev) return;
-  if (dev->properties().at("gpu").find("tinydev fake GPU") != std::string::npos)
-    return skip("the fake driver has no host versions of these kernels: a real GPU runs them");
+  // On the fake driver the kernels are its host versions (tests/cuda/fake_driver): what runs here
+  // is the launches, the half and bf16 buffers and the checks against the CPU's arithmetic.
   const std::uint64_t seed = fresh_seed();
   INFO("seed " << seed);
   const auto load = [&](const char* name) { return dev->load_kernel(name, kRendererStyle); };
@@ -2462,11 +2464,19 @@ TEST_CASE("cuda gpu: renderer-style kernels match the CPU (elementwise to half -
     (*load("r_16_16_16"))(bufs, vals, LaunchParams{.global = {n / 16, n / 16, 1}, .local = {16, 16, 1}});
     std::vector<float> got(n * n);
     bc.copyout(std::span<float>(got));
+    // Against the exact sum, within what n float multiply-adds may round away (each term is up to
+    // 10^4 and they cancel, so a relative bound on the result would not hold); a wrong term is
+    // off by far more.
     for (int i = 0; i < n; ++i)
       for (int j = 0; j < n; ++j) {
-        double want = 0;
-        for (int k = 0; k < n; ++k) want += static_cast<double>(a[i * n + k]) * b[k * n + j];
-        REQUIRE(got[i * n + j] == Approx(want).epsilon(1e-4).margin(1e-4));
+        double want = 0, magnitude = 0;
+        for (int k = 0; k < n; ++k) {
+          const double term = static_cast<double>(a[i * n + k]) * b[k * n + j];
+          want += term;
+          magnitude += std::abs(term);
+        }
+        INFO("c[" << i << "][" << j << "]");
+        REQUIRE(std::abs(got[i * n + j] - want) <= n * std::ldexp(1.0, -24) * magnitude);
       }
   }
 }

@@ -401,6 +401,52 @@ void fill_kernel(const std::byte* p, std::size_t, Dim grid, Dim block) {
   const std::size_t threads = grid.count() * block.count();
   for (std::size_t t = 0; t < threads; ++t) o[t] = k + static_cast<std::int32_t>(t);
 }
+// The renderer-style kernels of tests/cuda/test_cuda.cpp (kRendererStyle), thread by thread as the
+// GPU runs them, so that the test's launches, buffers and checks run in CI too.
+// E_4096_4(half* data0, const float* data1): data0[g * 256 + l] = half(data1[...] * 2).
+void renderer_elementwise_kernel(const std::byte* p, std::size_t, Dim grid, Dim block) {
+  auto* out = pointer_param<_Float16>(p, 0);
+  const auto* in = pointer_param<const float>(p, 8);
+  for (std::size_t g = 0; g < grid.x; ++g)
+    for (std::size_t l = 0; l < block.x; ++l) out[g * 256 + l] = static_cast<_Float16>(in[g * 256 + l] * 2.0f);
+}
+// r_64_32(float* data0, const bf16* data1): each block's 32 threads sum 8 values each, then
+// thread 0 sums the 32 partial sums in order.
+void renderer_reduce_kernel(const std::byte* p, std::size_t, Dim grid, Dim block) {
+  auto* out = pointer_param<float>(p, 0);
+  const auto* in = pointer_param<const std::uint16_t>(p, 8);
+  const auto value = [&](std::size_t i) {
+    const std::uint32_t w = static_cast<std::uint32_t>(in[i]) << 16;
+    float f;
+    std::memcpy(&f, &w, 4);
+    return f;
+  };
+  for (std::size_t g = 0; g < grid.x; ++g) {
+    std::vector<float> partial(block.x, 0.0f);
+    for (std::size_t l = 0; l < block.x; ++l)
+      for (std::size_t r = 0; r < 8; ++r) partial[l] += value(g * 256 + l * 8 + r);
+    float sum = 0.0f;
+    for (const float s : partial) sum += s;
+    out[g] = sum;
+  }
+}
+// r_16_16_16(float* c, const float* a, const float* b, int n): c = a @ b, one 16 x 16 tile of c
+// per block, k in tiles of 16 as the kernel walks it.
+void renderer_matmul_kernel(const std::byte* p, std::size_t, Dim grid, Dim block) {
+  auto* c = pointer_param<float>(p, 0);
+  const auto* a = pointer_param<const float>(p, 8);
+  const auto* b = pointer_param<const float>(p, 16);
+  const auto n = static_cast<std::size_t>(param<std::int32_t>(p, 24));
+  for (std::size_t by = 0; by < grid.y; ++by)
+    for (std::size_t bx = 0; bx < grid.x; ++bx)
+      for (std::size_t ty = 0; ty < block.y; ++ty)
+        for (std::size_t tx = 0; tx < block.x; ++tx) {
+          const std::size_t row = by * 16 + ty, col = bx * 16 + tx;
+          float acc = 0.0f;
+          for (std::size_t k = 0; k < n; ++k) acc += a[row * n + k] * b[k * n + col];
+          c[row * n + col] = acc;
+        }
+}
 // odd(int n, float* p): a value before a pointer, which tinydev's packed arguments cannot pass.
 // nop(): nothing, without parameters.
 void nothing_kernel(const std::byte*, std::size_t, Dim, Dim) {}
@@ -425,6 +471,8 @@ const std::map<std::string, KernelInfo, std::less<>>& kernels() {
       {"pong", {&inc_kernel, {8, 8}}},          {"scale", {&scale_kernel, {8, 8, 4, 4}}},
       {"fill", {&fill_kernel, {8, 4}}},         {"odd", {&nothing_kernel, {4, 8}}},
       {"nop", {&nothing_kernel, {}}},
+      {"E_4096_4", {&renderer_elementwise_kernel, {8, 8}}}, {"r_64_32", {&renderer_reduce_kernel, {8, 8}}},
+      {"r_16_16_16", {&renderer_matmul_kernel, {8, 8, 8, 4}}},
       {"tinydev_timestamp", {&timestamp_kernel, {8}}},
       {"tinydev_signal", {&signal_kernel, {8, 8}, 1}},  {"tinydev_wait", {&wait_kernel, {8, 8}, 1}}};
   return *k;
