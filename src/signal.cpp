@@ -90,8 +90,8 @@ void wait_signal_slot(SignalSlot& slot, std::uint64_t wanted, std::chrono::nanos
   const auto timed_out = [&] {
     return Timeout(fmt::format(
         "timed out after {} ms waiting for {} to reach {}: it is at {}. Is the queue that signals "
-        "it submitted, and not itself waiting on something that never comes? (Work that runs longer "
-        "needs a longer TINYDEV_WAIT_TIMEOUT_MS.)",
+        "it submitted, and not itself waiting on something that never comes? (A wait given no timeout "
+        "lasts TINYDEV_WAIT_TIMEOUT_MS.)",
         std::chrono::duration_cast<std::chrono::milliseconds>(timeout).count(),
         handle ? handle->describe() : "a signal", wanted, slot.value.load()));
   };

@@ -72,7 +72,8 @@ struct ScopedEnvironmentVariable {
 };
 
 // Opens `gate` (sets it to 1) when it goes out of scope: a test that fails before it opens the
-// gate leaves no queued work waiting for it for good (nor a graph's destructor for 30 s).
+// gate leaves no queued work waiting for it for good (nor a graph's destructor for
+// TINYDEV_WAIT_TIMEOUT_MS).
 struct OpenGateAtExit {
   const Signal& gate;
   ~OpenGateAtExit() {

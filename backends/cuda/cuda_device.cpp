@@ -415,7 +415,8 @@ void unload_module(CudaHCQDevice& device, void* module, std::string_view name) n
 
 // A direct call holds no reference to its program, so the last launch may still be queued or
 // running: the module is unloaded after the timeline passed it (a hung GPU leaks the module after
-// 30 s instead of unloading code under a running kernel). Queued execs and graphs keep their
+// TINYDEV_WAIT_TIMEOUT_MS, or 1 s once a wait timed out, instead of unloading code under a running
+// kernel). Queued execs and graphs keep their
 // programs alive themselves.
 CudaProgram::~CudaProgram() {
   const DeviceState& s = device_.state();
@@ -427,7 +428,7 @@ CudaProgram::~CudaProgram() {
     try {
       // The timeline value covering the last direct call is signalled by now, or by
       // last_submitted_value() (Note [Lazy timeline signals]); after a wrap both are past.
-      device_.wait_timeline_reached(std::min(launched, device_.last_submitted_value()));
+      device_.wait_timeline_reached(std::min(launched, device_.last_submitted_value()), device_.free_wait_timeout());
     } catch (const Timeout& e) {
       debug_log(1, device_.name(), "'{}' is unloaded at exit only: {}", name(), e.what());
       return;
@@ -676,8 +677,10 @@ void CudaCopyQueue::_submit(Compiled& device) {
 // Note [Default LRU bound]), which on a GPU of 80 GiB freed any buffer over 2 GiB at once and
 // evicted (cuMemFree, waiting for queued work) from the third 1 GiB buffer freed. A CUDA
 // allocator's cache is bounded by the GPU's memory instead: in effect the seed's, since out of
-// memory empties it (the ladder in LRUAllocator::alloc), and pinned host buffers (host=true)
-// share it. TINYDEV_LRU_MAX_BYTES still overrides it.
+// memory empties it (the ladder in LRUAllocator::alloc). Pinned host buffers (host=true) share
+// it: the cache holds no more of them than the process had allocated at once, and the seed's
+// keeps them all too (docs/cuda.md says how to give them back). TINYDEV_LRU_MAX_BYTES still
+// overrides it.
 std::uint64_t CudaHCQDevice::total_memory() const noexcept { return state_->total_memory; }
 
 CudaAllocator::CudaAllocator(CudaHCQDevice& device, std::uint64_t device_memory)
@@ -2025,7 +2028,11 @@ void release_at_exit() {
   for (CudaHCQDevice* device : devices) {
     if (device->is_lane()) continue;  // its device's synchronize covers it
     try {
-      device->synchronize();
+      // A device whose wait timed out (a hung kernel) is waited for at most 1 s: the process exits.
+      if (device->has_timed_out())
+        device->wait_submitted(device->free_wait_timeout());
+      else
+        device->synchronize();
     } catch (const std::exception& e) {
       debug_log(1, device->name(), "unfinished work at exit: {}", e.what());
     }

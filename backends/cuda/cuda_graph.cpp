@@ -104,7 +104,8 @@ class CudaGraph final : public Graph {
       // work, which may wait for something this thread is yet to do.
       if (last_replay_value_ != 0 &&
           device_.timeline_slot()->value.load(std::memory_order_acquire) < last_replay_value_)
-        device_.wait_timeline_reached(std::min(last_replay_value_, device_.last_submitted_value()));
+        device_.wait_timeline_reached(std::min(last_replay_value_, device_.last_submitted_value()),
+                                      device_.free_wait_timeout());
     } catch (const std::exception&) {
       // The device failed, but a replay queued before may still run (Note [CUDA waits on failed
       // signals]), and the programs this graph holds go with it: wait for the queues to drain

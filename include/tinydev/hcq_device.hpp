@@ -70,7 +70,7 @@ class HCQCompiled : public Compiled {
   // is for such a value and returns at once, as the allocator's free marks are read
   // (HCQAllocator::queued_work_done). Without this, a graph replay's own wait, or a caller's, for a
   // value taken just before another thread's synchronize wrapped the timeline would wait for the
-  // new timeline to count up to it: 30 s and a Timeout for work long finished. The wrap count and
+  // new timeline to count up to it: TINYDEV_WAIT_TIMEOUT_MS and a Timeout for work long finished. The wrap count and
   // the list of dropped values change together, under one lock, so a wait that a wrap overtook
   // does not check its value against the new timeline's dropped ones. (A value from early in an
   // old timeline, no larger than the new timeline_value(), and first waited on after a wrap, is
@@ -216,7 +216,7 @@ class HCQCompiled : public Compiled {
   // While the thread holds it, what would wait for the reserved value or queue work behind it
   // (synchronize, record, the allocator's copies, graph replays, direct kernel calls) is
   // InvalidArgument on that thread (check_no_reservation_held): the work after it would wait for
-  // a value only this thread can submit, a host wait for 30 s and then Timeout, a queue for good
+  // a value only this thread can submit, a host wait for TINYDEV_WAIT_TIMEOUT_MS and then Timeout, a queue for good
   // (the in-order worker holds the reserved work's queue behind it). Other threads wait for the
   // submit mutex as usual.
   class TimelineReservation {
@@ -320,8 +320,9 @@ class HCQCompiled : public Compiled {
     while (!queues_idle()) {
       if (std::chrono::steady_clock::now() >= deadline) {
         const std::string stall = describe_stall();
-        throw Timeout(fmt::format(TINYDEV_FMT("{}: recover() waited {} ms for its queues to drain{}{}"), name(), timeout.count(),
-                                  stall.empty() ? "" : ": ", stall));
+        throw Timeout(fmt::format(TINYDEV_FMT("{}: recover() waited {} ms for its queues to drain{}{} (a recover() given "
+                                              "no timeout waits TINYDEV_WAIT_TIMEOUT_MS)"),
+                                  name(), timeout.count(), stall.empty() ? "" : ": ", stall));
       }
       std::this_thread::sleep_for(std::chrono::microseconds(100));
     }
@@ -428,7 +429,7 @@ class HCQCompiled : public Compiled {
           timed_out_.store(true, std::memory_order_relaxed);
           const std::string stall = describe_stall();
           throw Timeout(fmt::format(TINYDEV_FMT("{}: waiting for timeline value {} timed out after {} ms: it is at {}{}{} "
-                                                "(work that runs longer needs a longer TINYDEV_WAIT_TIMEOUT_MS)"),
+                                                "(a wait given no timeout lasts TINYDEV_WAIT_TIMEOUT_MS)"),
                                     name(), value, timeout.count(), slot->value.load(), stall.empty() ? "" : "; ", stall));
         }
       }

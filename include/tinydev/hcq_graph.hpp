@@ -91,12 +91,13 @@ class HCQGraph final : public Graph {
   static constexpr std::size_t kMaxCopies = 16;
 
   // Queued work reads our kernel arguments and runs our programs: wait for the last replay's end
-  // (a poisoned signal means that work will never run). After TINYDEV_WAIT_TIMEOUT_MS, the work is
-  // left running with what it uses leaked, never freed under it, and the destructor returns.
+  // (a poisoned signal means that work will never run). After TINYDEV_WAIT_TIMEOUT_MS (at most 1 s
+  // once a wait on the device timed out), the work is left running with what it uses leaked, never
+  // freed under it, and the destructor returns.
   ~HCQGraph() override {
     bool finished = true;
     if (replays_ && device_.opened_in_this_process()) {
-      const std::chrono::milliseconds timeout = default_wait_timeout();
+      const std::chrono::milliseconds timeout = device_.free_wait_timeout();
       try {
         signal_.wait(last_replay_end(), timeout);
       } catch (const Timeout& e) {

@@ -553,7 +553,8 @@ class HCQLaneStream : public Stream {
       } catch (const Timeout&) {
         throw Timeout(fmt::format(TINYDEV_FMT("{}: a copyin of {} bytes waited {} ms for the stream's earlier copyins "
                                               "({} bytes of theirs are queued, at most {}) to be copied; the stream "
-                                              "waits for work that has not come (an event not yet complete?)"),
+                                              "waits for work that has not come (an event not yet complete?); such a wait lasts "
+                                              "TINYDEV_WAIT_TIMEOUT_MS"),
                                   *name_, bytes, timeout.count(), queued, kMaxCapturedBytes));
       }
       release_finished();
