@@ -84,6 +84,24 @@ struct OpenGateAtExit {
   }
 };
 
+// Sets `gate` to 1 from a thread of its own `delay` after construction, for the work this thread
+// does meanwhile to wait on. The destructor joins that thread, also when a check in the scope
+// throws (a joinable std::thread would end the test run).
+class GateOpener {
+ public:
+  GateOpener(const Signal& gate, std::chrono::milliseconds delay)
+      : thread_([&gate, delay] {
+          std::this_thread::sleep_for(delay);
+          gate.set(1);
+        }) {}
+  ~GateOpener() { thread_.join(); }
+  GateOpener(const GateOpener&) = delete;
+  GateOpener& operator=(const GateOpener&) = delete;
+
+ private:
+  std::thread thread_;
+};
+
 inline std::vector<std::byte> random_bytes(std::size_t n, std::uint64_t seed) {
   std::mt19937_64 rng(seed);
   std::vector<std::byte> out(n);

@@ -518,12 +518,10 @@ TEST_CASE("hcq: direct program calls run after queued work", "[hcq]") {
     const Allocation aa[] = {a.allocation(), a.allocation()};
     fill_kernargs(*ping, args, aa, {});
     submit_ordered(dev, [&](auto& q) { q.wait(gate, 1).exec(*ping, args, {1, 1, 1}, {1, 1, 1}); });
-    std::thread opener([&] {
-      std::this_thread::sleep_for(20ms);
-      gate.set(1);
-    });
-    (*ping)(aa, {});  // waits for the queued increment first: 0 -> 1 -> 2
-    opener.join();
+    {
+      const GateOpener opener(gate, 20ms);
+      (*ping)(aa, {});  // waits for the queued increment first: 0 -> 1 -> 2
+    }
     CHECK(read_int(a) == 2);
   }, Needs{.kernels = true, .cuda_too = true});
 }
@@ -555,16 +553,12 @@ TEST_CASE("hcq: memory freed while a staged copy is in flight is only freed afte
     ScopedOverride no_cache("TINYDEV_LRU", "0");  // frees are real
     Signal gate = dev.alloc_signal(0);
     submit_ordered(dev, [&](auto& q) { q.wait(gate, 1); });  // holds the timeline until the gate opens
-    std::thread opener([&] {
-      std::this_thread::sleep_for(30ms);
-      gate.set(1);
-    });
     const auto data = random_bytes((5u << 20) + 7, fresh_seed());
     {
+      const GateOpener opener(gate, 30ms);
       Buffer tmp(dev.name(), data.size(), dtypes::uint8);
       tmp.allocate().copyin(data);  // the device is busy: staged, queued behind the gate
     }  // freed here: must wait for the queued copy, or the worker writes freed memory (ASan)
-    opener.join();
     dev.synchronize();
     Buffer check(dev.name(), data.size(), dtypes::uint8);
     check.allocate().copyin(data);

@@ -684,17 +684,10 @@ TEST_CASE("serving: graph replays with new inputs on a stream held behind an eve
     }
     // One more than the graph keeps kernel arguments for: it may wait for the oldest replay, which
     // runs once the helper opens the gate.
-    std::thread opener([&] {
-      std::this_thread::sleep_for(100ms);
-      gate.set(1);
-    });
-    try {
+    {
+      const GateOpener opener(gate, 100ms);
       last = replay_new();
-    } catch (...) {
-      opener.join();
-      throw;
     }
-    opener.join();
     last.wait(10000ms);
     stream->synchronize();
     for (std::size_t i = 0; i < requests.size(); ++i) {
@@ -743,19 +736,12 @@ TEST_CASE("serving: waits given no timeout last TINYDEV_WAIT_TIMEOUT_MS and work
     {
       ScopedOverride timeout("TINYDEV_WAIT_TIMEOUT_MS", "20000");
       const auto t0 = std::chrono::steady_clock::now();
-      std::thread opener([&] {
-        std::this_thread::sleep_for(std::chrono::milliseconds(3 * ms));
-        gate.set(1);
-      });
-      try {
+      {
+        const GateOpener opener(gate, std::chrono::milliseconds(3 * ms));
         dev.synchronize();
         done.wait();
         stream->synchronize();
-      } catch (...) {
-        opener.join();
-        throw;
       }
-      opener.join();
       CHECK(std::chrono::steady_clock::now() - t0 >= std::chrono::milliseconds(3 * ms));
     }
     std::vector<float> back(n);

@@ -2500,12 +2500,10 @@ TEST_CASE("cuda fake: direct calls signal the timeline lazily yet stay ordered w
   (*add)(bufs, vals);
   CHECK(fake_calls("cuStreamBatchMemOp") == signals_before);  // no timeline write of its own
   CHECK_FALSE(dev->idle());
-  std::thread opener([&] {
-    std::this_thread::sleep_for(std::chrono::milliseconds(30));
-    gate.set(1);
-  });
-  hcq_copyin_forced(*dev, a, y);
-  opener.join();
+  {
+    const GateOpener opener(gate, std::chrono::milliseconds(30));
+    hcq_copyin_forced(*dev, a, y);
+  }
   std::vector<float> got(n);
   o.copyout(std::span<float>(got));
   for (std::size_t i = 0; i < n; ++i) REQUIRE(got[i] == x[i] + x[i]);  // the call read the old input
