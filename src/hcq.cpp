@@ -25,15 +25,15 @@ KernargsPages::KernargsPages(std::string device_name) : device_(std::move(device
   pages_.emplace_back(new std::byte[kPageBytes]);
 }
 
-Kernargs KernargsPages::alloc(std::uint32_t num_buffers, std::uint32_t num_values, std::uint64_t reached,
-                              std::uint64_t next_value) {
+Kernargs KernargsPages::alloc(std::uint32_t num_buffers, std::uint32_t num_values,
+                              const std::atomic<std::uint64_t>& reached, std::uint64_t next_value) {
   const std::size_t bytes = (Kernargs::bytes_for(num_buffers, num_values) + 15) / 16 * 16;
   if (bytes > kPageBytes)
     throw InvalidArgument(fmt::format("{}: {} bytes of kernel arguments do not fit a {}-byte kernargs page", device_,
                                       bytes, kPageBytes));
   if (next_ + bytes > kPageBytes) {
     std::size_t next;
-    if (!retired_.empty() && retired_.front().second <= reached) {
+    if (!retired_.empty() && retired_.front().second <= reached.load(std::memory_order_acquire)) {
       next = retired_.front().first;
       retired_.erase(retired_.begin());
     } else {

@@ -1917,7 +1917,7 @@ void CudaHCQDevice::prepare_transfer(CudaHCQDevice& dest) {
 
 Kernargs CudaHCQDevice::alloc_kernargs(std::uint32_t num_buffers, std::uint32_t num_values) {
   std::lock_guard lock(submit_mutex());
-  return kernargs_.alloc(num_buffers, num_values, timeline_signal().slot().value.load(std::memory_order_acquire),
+  return kernargs_.alloc(num_buffers, num_values, timeline_signal().slot().value,
                          timeline_value());
 }
 

@@ -126,9 +126,13 @@ class KernargsPages {
  public:
   static constexpr std::size_t kPageBytes = 1u << 20;
   explicit KernargsPages(std::string device_name);
-  // Space for one launch. `reached` is the timeline value the device has reached, `next_value` the
-  // next one it will hand out. InvalidArgument when the arguments do not fit a page.
-  Kernargs alloc(std::uint32_t num_buffers, std::uint32_t num_values, std::uint64_t reached, std::uint64_t next_value);
+  // Space for one launch. `reached` holds the timeline value the device has reached (its timeline
+  // signal's value), `next_value` is the next one it will hand out. InvalidArgument when the
+  // arguments do not fit a page. `reached` is read only when a page fills: the device's worker
+  // writes that line at every signal, and reading it at every launch made each eager submit wait
+  // for the line to come back from the worker's core.
+  Kernargs alloc(std::uint32_t num_buffers, std::uint32_t num_values, const std::atomic<std::uint64_t>& reached,
+                 std::uint64_t next_value);
   // The timeline wrapped (nothing is in flight): every retired page is free again.
   void timeline_wrapped() noexcept;
 
@@ -151,8 +155,8 @@ class HWCommandQueue {
  public:
   using command_type = Command;
 
-  std::size_t size() const noexcept { return kinds_.size(); }  // number of commands (seed: len)
-  CommandKind kind(std::size_t cmd) const { return kinds_.at(cmd); }
+  std::size_t size() const noexcept { return recorded_.size(); }  // number of commands (seed: len)
+  CommandKind kind(std::size_t cmd) const { return recorded_.at(cmd).kind; }
 
   Derived& signal(const Signal& signal, std::uint64_t value) {
     return record(CommandKind::signal, signal, [&] { self()._signal(signal, value); });
@@ -202,13 +206,11 @@ class HWCommandQueue {
   template <class Emit>
   Derived& record(CommandKind kind, Emit&& emit) {
     std::vector<Command>& q = mutable_commands();
-    if (kinds_.empty()) {
+    if (recorded_.empty()) {
       // Most queues are a handful of commands recorded once (eager exec: wait, exec, signal):
       // one allocation per vector instead of one per doubling.
       q.reserve(8);
-      offsets_.reserve(8);
-      lens_.reserve(8);
-      kinds_.reserve(8);
+      recorded_.reserve(8);
       signal_uses_.reserve(4);  // an eager queue's wait and signal, a graph's first few
     }
     const std::size_t before = q.size();
@@ -218,28 +220,27 @@ class HWCommandQueue {
       mutable_commands().resize(before);
       throw;
     }
-    offsets_.push_back(static_cast<std::uint32_t>(before));
-    lens_.push_back(static_cast<std::uint32_t>(mutable_commands().size() - before));
-    kinds_.push_back(kind);
+    recorded_.push_back(Recorded{static_cast<std::uint32_t>(before),
+                                 static_cast<std::uint32_t>(mutable_commands().size() - before), kind});
     return self();
   }
   template <class Emit>
   Derived& record(CommandKind kind, const Signal& signal, Emit&& emit) {
     signal.slot();  // throws for a freed or empty handle, before anything is recorded
     note_pool(signal);
-    const std::size_t cmd = kinds_.size();
+    const std::size_t cmd = recorded_.size();
     record(kind, std::forward<Emit>(emit));
     note_signal_use(cmd, signal);
     return self();
   }
 
   void check(std::size_t cmd, CommandKind want, std::string_view what) const {
-    if (cmd >= kinds_.size())
+    if (cmd >= recorded_.size())
       throw InvalidArgument(fmt::format(TINYDEV_FMT("{}: command index {} is out of range: the queue has {} commands"),
-                                        what, cmd, kinds_.size()));
-    if (kinds_[cmd] != want)
+                                        what, cmd, recorded_.size()));
+    if (recorded_[cmd].kind != want)
       throw InvalidArgument(fmt::format(TINYDEV_FMT("called {} not on a {} command: command {} is a {}"), what,
-                                        to_string(want), cmd, to_string(kinds_[cmd])));
+                                        to_string(want), cmd, to_string(recorded_[cmd].kind)));
   }
 
   // The words of command `cmd`, writable (Note [Queue resubmission]: a queued snapshot is never
@@ -249,9 +250,9 @@ class HWCommandQueue {
     for (Spare& spare : spares_) {
       if (spare.all_stale) continue;
       spare.stale.push_back(static_cast<std::uint32_t>(cmd));
-      if (spare.stale.size() > kinds_.size() / 4 + 16) spare.all_stale = true;  // a full copy is cheaper
+      if (spare.stale.size() > recorded_.size() / 4 + 16) spare.all_stale = true;  // a full copy is cheaper
     }
-    return q_->data() + offsets_[cmd];
+    return q_->data() + recorded_[cmd].offset;
   }
   // The command words for recording (appending): every spare is stale afterwards.
   std::vector<Command>& mutable_commands() {
@@ -293,7 +294,8 @@ class HWCommandQueue {
         *spare.words = *q_;  // same size: no allocation
       } else {
         for (std::uint32_t cmd : spare.stale)
-          std::copy_n(q_->data() + offsets_[cmd], lens_[cmd], spare.words->data() + offsets_[cmd]);
+          std::copy_n(q_->data() + recorded_[cmd].offset, recorded_[cmd].words,
+                      spare.words->data() + recorded_[cmd].offset);
       }
       // The queued words become a spare that is current as of now.
       std::swap(q_, spare.words);
@@ -328,7 +330,7 @@ class HWCommandQueue {
       try {
         use.signal.slot();
       } catch (const InvalidArgument& e) {
-        const CommandKind kind = kinds_[use.cmd];
+        const CommandKind kind = recorded_[use.cmd].kind;
         throw InvalidArgument(fmt::format(TINYDEV_FMT("cannot submit the queue: its command {} (a {}) uses a signal "
                                                       "freed since it was recorded ({}); record the queue again{}"),
                                           use.cmd, to_string(kind), e.what(),
@@ -342,8 +344,13 @@ class HWCommandQueue {
  private:
   std::shared_ptr<std::vector<Command>> q_;
   std::vector<Spare> spares_;
-  std::vector<std::uint32_t> offsets_, lens_;
-  std::vector<CommandKind> kinds_;
+  // Per command: where its words start, how many there are, its kind. One vector, not three: an
+  // eager queue is made and dropped per kernel, and each vector was an allocation and a free.
+  struct Recorded {
+    std::uint32_t offset, words;
+    CommandKind kind;
+  };
+  std::vector<Recorded> recorded_;
   std::vector<const SignalPool*> pools_;
   struct SignalUse {
     std::uint32_t cmd;

@@ -59,17 +59,16 @@ void CpuComputeQueue::_exec(const CpuProgram& program, const Kernargs& kernargs,
     throw InvalidArgument(fmt::format("exec of '{}': the kernargs have no memory; allocate them with the "
                                       "device's alloc_kernargs()",
                                       program.name()));
-  mutable_commands().push_back(CpuCommand{.kind = CommandKind::exec, .program = &program, .kernargs = kernargs.ptr,
-                                          .num_buffers = kernargs.num_buffers, .num_values = kernargs.num_values,
-                                          .global = global, .local = local,
-                                          .request = Profiler::current_request(), .graph = Profiler::current_graph()});
+  (void)local;  // Note [Compact commands]: a CPU kernel has no local size
+  mutable_commands().push_back(CpuCommand::of_exec(&program, kernargs.ptr, kernargs.num_buffers, kernargs.num_values,
+                                                   global, Profiler::current_request(), Profiler::current_graph()));
 }
 
 void CpuComputeQueue::_update_exec(std::size_t cmd, Dim3 global, Dim3 local) {
   CpuCommand& c = *command_words(cmd);
   c.program->check_launch(c.num_buffers, c.num_values, global);
   c.global = global;
-  c.local = local;
+  (void)local;  // Note [Compact commands]
 }
 
 void CpuComputeQueue::_submit(Compiled& device) {
@@ -117,7 +116,11 @@ CpuQueueWorker::~CpuQueueWorker() {
 // worker never takes the submitters' lock in the steady state, the submitter stores tail_ with a
 // release store under that lock (taken by submitters only), and what still crosses is the slot,
 // the words and their reference count: 1.1-1.2 us per kernel here in `tinydev_bench --only hcq`,
-// 1.4 us when run after other sections (the record alone, not submitted, is 0.2 us).
+// 1.4 us when run after other sections (the record alone, not submitted, is 0.2 us). Since then a
+// slot has a cache line of its own (Note [Worker layout]), commands are half the size (Note
+// [Compact commands]), a queue keeps its per-command records in one allocation, not three, and
+// kernel arguments no longer read the timeline the worker writes: 0.91-1.26 us, median 0.99, where
+// the build before read 1.17-1.53 us, median 1.25 (docs/performance.md, 2026-12-07).
 // - Freed where allocated. An eager queue is dropped right after its submit, so the run's end
 //   dropped the last reference to its words, on the worker: two blocks per submission allocated
 //   on one thread and freed on another, which glibc does under its arena lock (perf put half of
@@ -140,7 +143,9 @@ CpuQueueWorker::~CpuQueueWorker() {
 // Note [Worker layout]
 // CpuQueueWorker's fields are grouped by who writes them, each group on cache lines of its own:
 // what submitters write under the lock, tail_ (the one line the worker spins on), the worker's
-// own counters, what it runs (BlockedOn, written per kernel), and the ring. Before, the worker's
+// own counters, what it runs (BlockedOn, written per kernel), and the ring, a line per slot (four
+// slots to a line had a submit filling slot p take back the line the worker was reading slot
+// p - 1 from). Before, the worker's
 // per-submission and per-kernel stores shared lines with the counters every submit writes or
 // reads, so each submit missed on lines the worker had written for no reason of its own.
 void CpuQueueWorker::submit(Words commands) {
@@ -152,7 +157,7 @@ void CpuQueueWorker::submit(Words commands) {
     const std::uint64_t tail = tail_.load(std::memory_order_relaxed);  // stored only under this lock
     if (overflow_.empty() && tail - head_seen_ >= kRing) head_seen_ = head_.load(std::memory_order_acquire);
     if (overflow_.empty() && tail - head_seen_ < kRing) {
-      Words& slot = ring_[tail % kRing];
+      Words& slot = ring_[tail % kRing].words;
       if (slot) release_snapshot(slot);  // run long ago (head_ is past it): freed on this thread
       slot = std::move(commands);
       submitted_.fetch_add(1, std::memory_order_seq_cst);
@@ -187,7 +192,7 @@ void CpuQueueWorker::run() {
     const std::uint64_t tail = tail_.load(std::memory_order_acquire);
     if (head != tail) {
       for (; head != tail; ++head) {
-        Words& slot = ring_[head % kRing];
+        Words& slot = ring_[head % kRing].words;
         run_submission(*slot);
         if (slot.use_count() != 1) release_snapshot(slot);  // a queue holds them (Note [Snapshot release ordering])
         head_.store(head + 1, std::memory_order_release);
@@ -217,9 +222,9 @@ void CpuQueueWorker::run() {
     if (work_came()) continue;
     // Quiet for the spin budget, and every slot has run: free what the ring still holds, here
     // (Note [Submission ring]: memory), with the lock let go so a submit coming now need not wait.
-    if (std::any_of(ring_.begin(), ring_.end(), [](const Words& slot) { return slot != nullptr; })) {
+    if (std::any_of(ring_.begin(), ring_.end(), [](const Slot& slot) { return slot.words != nullptr; })) {
       std::array<Words, kRing> quiet;
-      std::swap(quiet, ring_);
+      for (std::size_t i = 0; i < kRing; ++i) quiet[i] = std::move(ring_[i].words);
       lock.unlock();
       for (Words& words : quiet)
         if (words) release_snapshot(words);
@@ -527,8 +532,7 @@ CpuHCQDevice::~CpuHCQDevice() {
 // Note [Kernargs pages] (tinydev/hcq_queue.hpp).
 Kernargs CpuHCQDevice::alloc_kernargs(std::uint32_t num_buffers, std::uint32_t num_values) {
   std::lock_guard lock(submit_mutex());
-  return kernargs_.alloc(num_buffers, num_values, timeline_signal().slot().value.load(std::memory_order_acquire),
-                         timeline_value());
+  return kernargs_.alloc(num_buffers, num_values, timeline_signal().slot().value, timeline_value());
 }
 
 std::shared_ptr<std::byte[]> CpuHCQDevice::allocate_kernargs_block(std::size_t bytes) const {

@@ -21,6 +21,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include <functional>
@@ -36,28 +37,77 @@ namespace tinydev::cpu {
 
 class CpuHCQDevice;
 
-// One recorded CPU command (a queue's word). Which fields matter depends on `kind`.
+// One recorded CPU command (a queue's word). Which fields matter depends on `kind`; the fields of
+// different kinds share memory, so read only those of the command's own kind.
+// Note [Compact commands]: a pipelined eager submit (wait, exec, signal) hands its words to the
+// worker on another core, and every cache line they span crosses between the two cores, twice
+// (the worker reads it; the submit that reuses the memory writes it back). With each kind's
+// fields overlaid a command is 56 bytes, not 112, and those three commands span 3 lines, not 4-5.
+// Made only through the factories below, which start the right members' lifetimes.
 struct CpuCommand {
   CommandKind kind{};
-  SignalSlot* signal = nullptr;  // signal, wait, timestamp
-  std::uint64_t value = 0;
-  const CpuProgram* program = nullptr;  // exec
-  std::byte* kernargs = nullptr;
-  std::uint32_t num_buffers = 0, num_values = 0;
-  Dim3 global{1, 1, 1}, local{1, 1, 1};
-  std::byte* dest = nullptr;  // copy
-  const std::byte* src = nullptr;
-  std::uint64_t size = 0;
-  std::uint64_t request = 0;  // exec: Profiler::current_request() where it was recorded
-  std::uint64_t graph = 0;    // exec: Profiler::current_graph() where it was recorded
-};
+  std::uint32_t num_buffers = 0;  // exec
+  union {
+    SignalSlot* signal = nullptr;  // signal, wait, timestamp
+    const CpuProgram* program;     // exec
+    std::byte* dest;               // copy
+  };
+  union {
+    std::uint64_t value = 0;  // signal, wait
+    std::byte* kernargs;      // exec
+    const std::byte* src;     // copy
+  };
+  union {
+    std::uint64_t size = 0;  // copy
+    std::uint64_t request;   // exec: Profiler::current_request() where it was recorded
+  };
+  std::uint64_t graph = 0;  // exec: Profiler::current_graph() where it was recorded
+  std::uint32_t num_values = 0;  // exec
+  // exec. No local size: a CPU kernel runs its global grid on one thread, whatever the local one.
+  Dim3 global{1, 1, 1};
 
+  static CpuCommand of_signal(CommandKind kind, SignalSlot* signal, std::uint64_t value) noexcept {
+    CpuCommand c;
+    c.kind = kind;
+    c.signal = signal;
+    c.value = value;
+    return c;
+  }
+  static CpuCommand of_barrier() noexcept {
+    CpuCommand c;
+    c.kind = CommandKind::memory_barrier;
+    return c;
+  }
+  static CpuCommand of_exec(const CpuProgram* program, std::byte* kernargs, std::uint32_t num_buffers,
+                            std::uint32_t num_values, Dim3 global, std::uint64_t request, std::uint64_t graph) noexcept {
+    CpuCommand c;
+    c.kind = CommandKind::exec;
+    c.program = program;
+    c.kernargs = kernargs;
+    c.num_buffers = num_buffers;
+    c.num_values = num_values;
+    c.global = global;
+    c.request = request;
+    c.graph = graph;
+    return c;
+  }
+  static CpuCommand of_copy(std::byte* dest, const std::byte* src, std::uint64_t size) noexcept {
+    CpuCommand c;
+    c.kind = CommandKind::copy;
+    c.dest = dest;
+    c.src = src;
+    c.size = size;
+    return c;
+  }
+};
+static_assert(sizeof(CpuCommand) == 56, "Note [Compact commands]: a command's fields grew");
+static_assert(std::is_trivially_copyable_v<CpuCommand>);
 
 // The signal primitives both CPU queues share.
 struct CpuSignalPrimitives {
-  static CpuCommand signal(const Signal& s, std::uint64_t v) { return {.kind = CommandKind::signal, .signal = &s.slot(), .value = v}; }
-  static CpuCommand wait(const Signal& s, std::uint64_t v) { return {.kind = CommandKind::wait, .signal = &s.slot(), .value = v}; }
-  static CpuCommand timestamp(const Signal& s) { return {.kind = CommandKind::timestamp, .signal = &s.slot()}; }
+  static CpuCommand signal(const Signal& s, std::uint64_t v) { return CpuCommand::of_signal(CommandKind::signal, &s.slot(), v); }
+  static CpuCommand wait(const Signal& s, std::uint64_t v) { return CpuCommand::of_signal(CommandKind::wait, &s.slot(), v); }
+  static CpuCommand timestamp(const Signal& s) { return CpuCommand::of_signal(CommandKind::timestamp, &s.slot(), 0); }
   static void update(CpuCommand& c, const std::optional<Signal>& s, const std::optional<std::uint64_t>& v) {
     if (s) c.signal = &s->slot();
     if (v) c.value = *v;
@@ -71,7 +121,7 @@ class CpuComputeQueue final : public HWComputeQueue<CpuComputeQueue, CpuCommand,
   void _signal(const Signal& s, std::uint64_t v) { mutable_commands().push_back(CpuSignalPrimitives::signal(s, v)); }
   void _wait(const Signal& s, std::uint64_t v) { mutable_commands().push_back(CpuSignalPrimitives::wait(s, v)); }
   void _timestamp(const Signal& s) { mutable_commands().push_back(CpuSignalPrimitives::timestamp(s)); }
-  void _memory_barrier() { mutable_commands().push_back(CpuCommand{.kind = CommandKind::memory_barrier}); }
+  void _memory_barrier() { mutable_commands().push_back(CpuCommand::of_barrier()); }
   void _exec(const CpuProgram& program, const Kernargs& kernargs, Dim3 global, Dim3 local);
   void _update_signal(std::size_t cmd, const std::optional<Signal>& s, const std::optional<std::uint64_t>& v) {
     CpuSignalPrimitives::update(*command_words(cmd), s, v);
@@ -93,8 +143,8 @@ class CpuCopyQueue final : public HWCopyQueue<CpuCopyQueue, CpuCommand> {
   void _wait(const Signal& s, std::uint64_t v) { mutable_commands().push_back(CpuSignalPrimitives::wait(s, v)); }
   void _timestamp(const Signal& s) { mutable_commands().push_back(CpuSignalPrimitives::timestamp(s)); }
   void _copy(const Allocation& dest, const Allocation& src, std::size_t size) {
-    mutable_commands().push_back(CpuCommand{.kind = CommandKind::copy, .dest = dest.host_ptr<std::byte>(),
-                                            .src = src.host_ptr<const std::byte>(), .size = size});
+    mutable_commands().push_back(
+        CpuCommand::of_copy(dest.host_ptr<std::byte>(), src.host_ptr<const std::byte>(), size));
   }
   void _update_signal(std::size_t cmd, const std::optional<Signal>& s, const std::optional<std::uint64_t>& v) {
     CpuSignalPrimitives::update(*command_words(cmd), s, v);
@@ -193,7 +243,12 @@ class CpuQueueWorker {
   std::atomic<std::uint64_t> finished_{0};
   alignas(64) mutable BlockedOn blocked_;  // describe_blocked() announces itself as a reader
   // Slot p % kRing holds ring position p's words: written by submitters, read by the worker.
-  alignas(64) std::array<Words, kRing> ring_;
+  // A cache line each: a submitter filling slot p does not take back the line the worker is
+  // reading slot p - 1 from (Note [Worker layout]).
+  struct alignas(64) Slot {
+    Words words;
+  };
+  std::array<Slot, kRing> ring_;
 };
 
 // A stream of `device` running on `lane` (Note [CPU streams]; src/cpu/cpu_stream.cpp).
