@@ -26,6 +26,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -148,6 +149,75 @@ class KernargsPages {
 void fill_kernargs(const Program& program, const Kernargs& kernargs, std::span<const Allocation> buffers,
                    std::span<const std::int32_t> values);
 
+namespace detail {
+// A vector of trivially copyable values keeping its first N in place: what a queue keeps per
+// signal and per signal pool is one or two entries for nearly every queue (an eager one: a wait
+// and a signal on one pool), and a heap block for each was an allocation and a free per queue.
+// Not a general container: append, insert, index and iterate are all the queue needs.
+template <class T, std::size_t N>
+class SmallVector {
+  static_assert(std::is_trivially_copyable_v<T>);
+
+ public:
+  SmallVector() = default;
+  SmallVector(const SmallVector& other) { *this = other; }
+  SmallVector& operator=(const SmallVector& other) {
+    if (this == &other) return *this;
+    if (other.heap_.empty()) {
+      heap_.clear();
+      heap_.shrink_to_fit();
+      std::copy_n(other.local_, other.size_, local_);
+    } else {
+      heap_ = other.heap_;
+    }
+    size_ = other.size_;
+    return *this;
+  }
+  SmallVector(SmallVector&& other) noexcept { *this = std::move(other); }
+  SmallVector& operator=(SmallVector&& other) noexcept {
+    if (this == &other) return *this;
+    heap_ = std::move(other.heap_);
+    std::copy_n(other.local_, heap_.empty() ? other.size_ : 0, local_);
+    size_ = other.size_;
+    other.heap_.clear();
+    other.size_ = 0;
+    return *this;
+  }
+
+  T* begin() noexcept { return heap_.empty() ? local_ : heap_.data(); }
+  T* end() noexcept { return begin() + size_; }
+  const T* begin() const noexcept { return heap_.empty() ? local_ : heap_.data(); }
+  const T* end() const noexcept { return begin() + size_; }
+  std::size_t size() const noexcept { return size_; }
+  bool empty() const noexcept { return size_ == 0; }
+  T& operator[](std::size_t i) noexcept { return begin()[i]; }
+  const T& operator[](std::size_t i) const noexcept { return begin()[i]; }
+
+  void insert(const T* at, const T& value) {  // strong guarantee: unchanged if it throws
+    const std::size_t index = static_cast<std::size_t>(at - begin());
+    if (heap_.empty() && size_ < N) {
+      std::copy_backward(local_ + index, local_ + size_, local_ + size_ + 1);
+      local_[index] = value;
+    } else {
+      if (heap_.empty()) {  // the first spill: everything moves to the heap
+        std::vector<T> heap;
+        heap.reserve(2 * N);
+        heap.assign(local_, local_ + size_);
+        heap_ = std::move(heap);
+      }
+      heap_.insert(heap_.begin() + static_cast<std::ptrdiff_t>(index), value);
+    }
+    ++size_;
+  }
+  void push_back(const T& value) { insert(end(), value); }
+
+ private:
+  T local_[N];
+  std::vector<T> heap_;  // all of the values once they outgrew local_ (never emptied again)
+  std::size_t size_ = 0;
+};
+}  // namespace detail
+
 // ---- queues ---------------------------------------------------------------------------------------
 
 template <class Derived, class Command>
@@ -195,7 +265,7 @@ class HWCommandQueue {
   }
 
   // The signal pools this queue's commands reference (devices check they can reach them).
-  const std::vector<const SignalPool*>& pools() const noexcept { return pools_; }
+  std::span<const SignalPool* const> pools() const noexcept { return {pools_.begin(), pools_.size()}; }
 
  protected:
   HWCommandQueue() : q_(std::make_shared<std::vector<Command>>()) {}
@@ -211,7 +281,6 @@ class HWCommandQueue {
       // one allocation per vector instead of one per doubling.
       q.reserve(8);
       recorded_.reserve(8);
-      signal_uses_.reserve(4);  // an eager queue's wait and signal, a graph's first few
     }
     const std::size_t before = q.size();
     try {
@@ -351,12 +420,12 @@ class HWCommandQueue {
     CommandKind kind;
   };
   std::vector<Recorded> recorded_;
-  std::vector<const SignalPool*> pools_;
+  detail::SmallVector<const SignalPool*, 2> pools_;
   struct SignalUse {
     std::uint32_t cmd;
     Signal signal;
   };
-  std::vector<SignalUse> signal_uses_;  // by command, ascending (Note [Signals of a recorded queue])
+  detail::SmallVector<SignalUse, 4> signal_uses_;  // by command, ascending (Note [Signals of a recorded queue])
 };
 
 template <class Derived, class Command, class ProgramT>

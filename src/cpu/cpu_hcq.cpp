@@ -119,8 +119,8 @@ CpuQueueWorker::~CpuQueueWorker() {
 // 1.4 us when run after other sections (the record alone, not submitted, is 0.2 us). Since then a
 // slot has a cache line of its own (Note [Worker layout]), commands are half the size (Note
 // [Compact commands]), a queue keeps its per-command records in one allocation, not three, and
-// kernel arguments no longer read the timeline the worker writes: 0.91-1.26 us, median 0.99, where
-// the build before read 1.17-1.53 us, median 1.25 (docs/performance.md, 2026-12-07).
+// its signal uses and pools in place, and kernel arguments no longer read the timeline the worker
+// writes: 0.90-1.00 us, where the build before read 1.18-1.21 us (docs/performance.md, 2026-12-07).
 // - Freed where allocated. An eager queue is dropped right after its submit, so the run's end
 //   dropped the last reference to its words, on the worker: two blocks per submission allocated
 //   on one thread and freed on another, which glibc does under its arena lock (perf put half of

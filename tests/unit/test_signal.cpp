@@ -314,3 +314,33 @@ TEST_CASE("signal: a pool on backend memory - device writes without wake are pol
   CHECK(misaligned_releases == 1);
   CHECK(crooked.live() == 0);
 }
+
+// detail::SmallVector keeps a queue's signal uses and pools: a few in place, the rest on the heap.
+// Random inserts against std::vector, through the spill and across copies and moves.
+TEST_CASE("signal: a queue's small vector of signal uses keeps order through its spill - copies and moves",
+          "[signal]") {
+  std::mt19937_64 rng(fresh_seed());
+  for (int round = 0; round < 200; ++round) {
+    tinydev::detail::SmallVector<std::uint64_t, 4> small;
+    std::vector<std::uint64_t> reference;
+    const int n = static_cast<int>(rng() % 12);
+    for (int i = 0; i < n; ++i) {
+      const std::uint64_t value = rng();
+      const std::size_t at = reference.empty() ? 0 : rng() % (reference.size() + 1);
+      small.insert(small.begin() + at, value);
+      reference.insert(reference.begin() + static_cast<std::ptrdiff_t>(at), value);
+      REQUIRE(std::vector<std::uint64_t>(small.begin(), small.end()) == reference);
+    }
+    const auto copy = small;
+    CHECK(std::vector<std::uint64_t>(copy.begin(), copy.end()) == reference);
+    tinydev::detail::SmallVector<std::uint64_t, 4> moved(std::move(small));
+    CHECK(std::vector<std::uint64_t>(moved.begin(), moved.end()) == reference);
+    CHECK(small.empty());
+    small = copy;  // a moved-from one takes values again, in place or spilled
+    small.push_back(42);
+    reference.push_back(42);
+    CHECK(std::vector<std::uint64_t>(small.begin(), small.end()) == reference);
+    CHECK(small.size() == reference.size());
+    if (!reference.empty()) CHECK(small[reference.size() - 1] == 42);
+  }
+}
