@@ -683,6 +683,14 @@ void CudaCopyQueue::_submit(Compiled& device) {
 // overrides it.
 std::uint64_t CudaHCQDevice::total_memory() const noexcept { return state_->total_memory; }
 
+std::uint64_t CudaHCQDevice::free_memory() const {
+  const DeviceState& s = *state_;
+  s.make_current();
+  std::size_t free = 0, total = 0;
+  check(s.api.cuMemGetInfo(&free, &total), "cuMemGetInfo", name());
+  return free;
+}
+
 CudaAllocator::CudaAllocator(CudaHCQDevice& device, std::uint64_t device_memory)
     : HCQAllocator<CudaHCQDevice>(device) {
   set_default_max_bytes(device_memory);

@@ -337,6 +337,9 @@ class CudaHCQDevice final : public HCQCompiled<CudaComputeQueue, CudaCopyQueue> 
   DeviceState& state() const noexcept { return *state_; }
   // The GPU's memory (cuDeviceTotalMem at open): its allocator's cache bound (Note [CUDA cache bound]).
   std::uint64_t total_memory() const noexcept;
+  // The GPU's memory free now, for every process on it (cuMemGetInfo): what a large allocation can
+  // still get, before this device's cache is emptied. Error if the driver call fails.
+  std::uint64_t free_memory() const;
   // Throws the Error of a sticky failure seen earlier (Note [CUDA failures]), the DeviceFault of
   // one recover() clears, nothing otherwise.
   void throw_if_failed() const;
