@@ -193,7 +193,8 @@ class SmallVector {
   T& operator[](std::size_t i) noexcept { return begin()[i]; }
   const T& operator[](std::size_t i) const noexcept { return begin()[i]; }
 
-  void insert(const T* at, const T& value) {  // strong guarantee: unchanged if it throws
+  void insert(const T* at, const T& given) {  // strong guarantee: unchanged if it throws
+    const T value = given;  // `given` may be one of the values about to move
     const std::size_t index = static_cast<std::size_t>(at - begin());
     if (heap_.empty() && size_ < N) {
       std::copy_backward(local_ + index, local_ + size_, local_ + size_ + 1);
@@ -213,7 +214,7 @@ class SmallVector {
 
  private:
   T local_[N];
-  std::vector<T> heap_;  // all of the values once they outgrew local_ (never emptied again)
+  std::vector<T> heap_;  // non-empty exactly when it holds the values (they outgrew local_)
   std::size_t size_ = 0;
 };
 }  // namespace detail
@@ -283,6 +284,9 @@ class HWCommandQueue {
       recorded_.reserve(8);
     }
     const std::size_t before = q.size();
+    // Room for the record first, growing as push_back would: once the words are in, recording
+    // them cannot fail (words without a record would still be submitted).
+    if (recorded_.size() == recorded_.capacity()) recorded_.reserve(2 * recorded_.capacity());
     try {
       emit();
     } catch (...) {

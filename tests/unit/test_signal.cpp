@@ -342,5 +342,20 @@ TEST_CASE("signal: a queue's small vector of signal uses keeps order through its
     CHECK(std::vector<std::uint64_t>(small.begin(), small.end()) == reference);
     CHECK(small.size() == reference.size());
     if (!reference.empty()) CHECK(small[reference.size() - 1] == 42);
+    // Onto a spilled one from one in place and back, onto itself, and inserting its own value.
+    tinydev::detail::SmallVector<std::uint64_t, 4> spilled;
+    for (int i = 0; i < 6; ++i) spilled.push_back(rng());
+    tinydev::detail::SmallVector<std::uint64_t, 4> in_place;
+    in_place.push_back(rng());
+    const std::vector<std::uint64_t> in_place_values(in_place.begin(), in_place.end());
+    spilled = in_place;
+    CHECK(std::vector<std::uint64_t>(spilled.begin(), spilled.end()) == in_place_values);
+    const auto& self = spilled;
+    spilled = self;
+    CHECK(std::vector<std::uint64_t>(spilled.begin(), spilled.end()) == in_place_values);
+    spilled.insert(spilled.begin(), spilled[0]);
+    CHECK(spilled.size() == 2);
+    CHECK(spilled[0] == in_place_values[0]);
+    CHECK(spilled[1] == in_place_values[0]);
   }
 }
