@@ -1893,14 +1893,16 @@ void CudaHCQDevice::signal_lazy_work(std::uint64_t value) {
   last_signal_on_compute_ = true;
 }
 
-void CudaHCQDevice::prepare_transfer(CudaHCQDevice& dest) {
-  // Peer access, once per pair and both ways, where the GPUs allow it; otherwise the driver
-  // stages the copy through host memory (unified addressing makes cuMemcpyAsync do either).
+bool CudaHCQDevice::prepare_transfer(CudaHCQDevice& dest) {
+  // Peer access, once per pair and both ways, where the GPUs allow it; otherwise HCQAllocator
+  // stages the copy through the destination's staging ring (Note [Staged transfers] in
+  // tinydev/hcq_allocator.hpp), not through cuMemcpyAsync between the GPUs, which the driver
+  // would stage itself, returning only once the copy ran.
   static std::mutex mutex;
   static std::set<std::pair<int, int>> enabled, refused;
   const DeviceState& a = *state_;
   const DeviceState& b = dest.state();
-  if (a.ordinal == b.ordinal) return;  // one GPU (a stream's lane and its device): nothing to enable
+  if (a.ordinal == b.ordinal) return true;  // one GPU (a stream's lane and its device): nothing to enable
   std::lock_guard lock(mutex);
   const std::pair<int, int> pair = std::minmax(a.ordinal, b.ordinal);
   if (!enabled.count(pair) && !refused.count(pair)) {
@@ -1919,8 +1921,9 @@ void CudaHCQDevice::prepare_transfer(CudaHCQDevice& dest) {
       refused.insert(pair);
     }
   }
-  debug_log(2, name(), "transfer {} -> {}: {}", name(), dest.name(),
-            enabled.count(pair) ? "peer to peer" : "staged through host memory by the driver (no peer access)");
+  const bool peer = enabled.count(pair) != 0;
+  if (peer) debug_log(2, name(), "transfer {} -> {}: peer to peer", name(), dest.name());
+  return peer;  // else HCQAllocator's staged transfer says so
 }
 
 Kernargs CudaHCQDevice::alloc_kernargs(std::uint32_t num_buffers, std::uint32_t num_values) {

@@ -322,8 +322,10 @@ class CudaHCQDevice final : public HCQCompiled<CudaComputeQueue, CudaCopyQueue> 
   std::optional<double> run_ordered(StreamWork work, std::string_view what, bool timed,
                                     std::string_view profile_name = {});
   // Before a transfer from this device to `dest`: enables peer access both ways once where the
-  // GPUs allow it (HCQAllocator::transfer calls it). TINYDEV_DEBUG>=2 says which path copies.
-  void prepare_transfer(CudaHCQDevice& dest);
+  // GPUs allow it (HCQAllocator::transfer calls it) and returns whether this device's copy stream
+  // reaches dest's memory (the same GPU, or peers); false: the transfer is staged through dest's
+  // staging ring (Note [Staged transfers]). TINYDEV_DEBUG>=2 says which path copies.
+  bool prepare_transfer(CudaHCQDevice& dest);
 
   Kernargs alloc_kernargs(std::uint32_t num_buffers, std::uint32_t num_values);
   std::shared_ptr<std::byte[]> allocate_kernargs_block(std::size_t bytes) const;

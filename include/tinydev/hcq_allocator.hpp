@@ -16,6 +16,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <vector>
 
 #include "tinydev/hcq_device.hpp"
@@ -170,23 +171,32 @@ class HCQAllocator : public LRUAllocator {
     dest_device.check_usable();
     src_device.check_no_reservation_held("a transfer from it");
     dest_device.check_no_reservation_held("a transfer to it");
-    // Optional hook: a device that must set up a path first (a GPU enabling peer access).
-    if constexpr (requires { src_device.prepare_transfer(dest_device); })
-      if (&src_device != &dest_device) src_device.prepare_transfer(dest_device);
+    // Optional hook: a device that must set up a path first (a GPU enabling peer access); false
+    // when src_device's copy queue cannot reach dest_device's memory at all.
+    bool direct = true;
+    if constexpr (requires { src_device.prepare_transfer(dest_device); }) {
+      static_assert(std::is_same_v<decltype(src_device.prepare_transfer(dest_device)), bool>,
+                    "prepare_transfer(dest) returns whether the copy queue reaches dest's memory (Note [Staged transfers])");
+      if (&src_device != &dest_device) direct = src_device.prepare_transfer(dest_device);
+    }
     std::scoped_lock lock(src_device.submit_mutex(), dest_device.submit_mutex());
     using Queue = typename Device::copy_queue_type;
-    Queue q;
     const bool same = &src_device == &dest_device;
-    const std::uint64_t dest_done = dest_device.last_submitted_value();  // read before taking a value
-    const std::uint64_t value = src_device.next_timeline_value();
-    {
-      HCQProfileScope<Device, Queue> prof(src_device, fmt::format(TINYDEV_FMT("{} -> {}"), src_device.name(), dest_device.name()),
-                                          true, &q);
-      q.wait(src_device.timeline_signal(), value - 1);
-      if (!same) q.wait(dest_device.timeline_signal(), dest_done);
-      q.copy(dest, src, size);
+    if (direct) {
+      Queue q;
+      const std::uint64_t dest_done = dest_device.last_submitted_value();  // read before taking a value
+      const std::uint64_t value = src_device.next_timeline_value();
+      {
+        HCQProfileScope<Device, Queue> prof(src_device, fmt::format(TINYDEV_FMT("{} -> {}"), src_device.name(), dest_device.name()),
+                                            true, &q);
+        q.wait(src_device.timeline_signal(), value - 1);
+        if (!same) q.wait(dest_device.timeline_signal(), dest_done);
+        q.copy(dest, src, size);
+      }
+      q.signal(src_device.timeline_signal(), value).submit(src_device);
+    } else {
+      staged_transfer(dest, src, size, src_device, dest_device);
     }
-    q.signal(src_device.timeline_signal(), value).submit(src_device);
     if (!same && mark_dest) {
       const std::uint64_t dest_value = dest_device.next_timeline_value();
       dest_device.compute_queue()
@@ -195,6 +205,69 @@ class HCQAllocator : public LRUAllocator {
           .signal(dest_device.timeline_signal(), dest_value)
           .submit(dest_device);
     }
+  }
+
+  // Note [Staged transfers]
+  // Where src_device's copy queue cannot reach dest_device's memory (two GPUs without peer
+  // access), a transfer goes through the destination's staging ring, a slot per chunk, and no
+  // host thread waits for it: src_device's copy queue copies chunk c into a slot once the
+  // destination's timeline says the slot's last reader ran (a device-side wait on the other
+  // device's timeline signal, which both reach) and signals its own timeline; the destination's
+  // copy queue waits for that value, copies the slot into `dest` and signals its timeline, whose
+  // value tags the slot as a copyin's do. So the source fills slot c+1 while the destination
+  // drains slot c. A last command on src_device waits for the destination's last copy, so the
+  // source timeline covers the whole transfer as it covers a direct one (a stream's Event, the
+  // source buffer's free). Unlike a direct transfer, the destination's timeline and copy queue
+  // carry the copy, so its later work is behind it even for a stream's transfer (mark_dest
+  // false). A driver's own staging of such a copy (CUDA's cuMemcpyAsync between GPUs without
+  // peer access) returns only once it ran and holds the context's other copies meanwhile.
+  // Caller holds both submit mutexes.
+  static void staged_transfer(Allocation dest, Allocation src, std::size_t size, Device& src_device,
+                              Device& dest_device) {
+    auto* ring = dynamic_cast<HCQAllocator*>(&dest_device.allocator());
+    if (!ring)
+      throw InvalidArgument(fmt::format(TINYDEV_FMT("transfer from {} to {}: the destination's allocator has no staging "
+                                                    "ring to stage it through"),
+                                        src_device.name(), dest_device.name()));
+    ring->ensure_ring();
+    using Queue = typename Device::copy_queue_type;
+    const std::size_t chunk = ring->batch_size_;
+    debug_log(2, src_device.name(), TINYDEV_FMT("transfer {} -> {}: {} bytes staged through {}'s staging ring ({} "
+                                                "chunks of at most {} bytes)"),
+              src_device.name(), dest_device.name(), size, dest_device.name(), (size + chunk - 1) / chunk, chunk);
+    HCQProfileScope<Device, Queue> prof(src_device,
+                                        fmt::format(TINYDEV_FMT("{} -> {} (staged)"), src_device.name(), dest_device.name()),
+                                        true);
+    for (std::size_t i = 0; i < size; i += chunk) {
+      const std::size_t n = std::min(chunk, size - i);
+      ring->next_ = (ring->next_ + 1) % ring->ring_.size();
+      const Allocation slot = ring->ring_[ring->next_];
+      const std::uint64_t slot_free = ring->ring_timeline_[ring->next_];
+      const std::uint64_t filled = src_device.next_timeline_value();
+      src_device.copy_queue()
+          .wait(src_device.timeline_signal(), filled - 1)
+          .wait(dest_device.timeline_signal(), slot_free)
+          .copy(slot, Allocation{src.va_addr + i, n, src.backend}, n)
+          .signal(src_device.timeline_signal(), filled)
+          .submit(src_device);
+      const std::uint64_t drained = dest_device.next_timeline_value();
+      // Tagged before the submit: should it fail, the value is poisoned, and whoever takes the
+      // slot next finds out instead of filling it under the source's copy.
+      ring->ring_timeline_[ring->next_] = drained;
+      dest_device.copy_queue()
+          .wait(dest_device.timeline_signal(), drained - 1)
+          .wait(src_device.timeline_signal(), filled)
+          .copy(Allocation{dest.va_addr + i, n, dest.backend}, slot, n)
+          .signal(dest_device.timeline_signal(), drained)
+          .submit(dest_device);
+    }
+    const std::uint64_t dest_last = dest_device.timeline_value() - 1;
+    const std::uint64_t value = src_device.next_timeline_value();
+    src_device.copy_queue()
+        .wait(src_device.timeline_signal(), value - 1)
+        .wait(dest_device.timeline_signal(), dest_last)
+        .signal(src_device.timeline_signal(), value)
+        .submit(src_device);
   }
 
   // The seed's transfer through the Allocator interface (tinydev::copy between two devices of

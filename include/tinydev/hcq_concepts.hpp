@@ -102,8 +102,9 @@ concept HCQProgram = std::derived_from<P, Program> && requires(const P& p) {
 //     native; capabilities() with the whole truth about the device;
 //  5. optionally: override check_health() when failures are seen only by asking the hardware
 //     (called while host threads wait on the timeline; poison the timeline there), and define
-//     prepare_transfer(Device& dest), which HCQAllocator::transfer calls before a copy between
-//     two devices (peer mappings).
+//     bool prepare_transfer(Device& dest), which HCQAllocator::transfer calls before a copy
+//     between two devices (peer mappings): true when this device's copy queue reaches dest's
+//     memory, false to stage the copy through dest's staging ring (Note [Staged transfers]).
 // HCQCompiled itself registers the profiler's flush hook once the device is opened (on_opened)
 // and detaches the allocator when a device is destroyed (only a failed open does that).
 template <class D>

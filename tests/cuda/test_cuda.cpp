@@ -17,6 +17,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <future>
 #include <functional>
 #include <iterator>
 #include <mutex>
@@ -1157,15 +1158,86 @@ TEST_CASE("cuda fake: transfer between GPUs enables peer access once both ways a
   check_transfer(*b, *a);  // enabled already: no second enable (the fake would refuse it)
 }
 
-TEST_CASE("cuda fake: transfer between GPUs without peer access is staged and still ordered", "[cuda][fake]") {
+TEST_CASE("cuda fake: transfer between GPUs without peer access is staged through the destination's ring - no host waits - ordered on both GPUs", "[cuda][fake]") {
   FakeEnv no_peer("FAKE_CUDA_NO_PEER", "1");
   auto* a = fake_hcq("CUDA");
   if (!a) return;
   auto* b = fake_hcq("CUDA:1");
-  check_transfer(*a, *b);
+  const long driver_staged = fake_calls("cuMemcpyAsync (staged between GPUs)");
+  check_transfer(*a, *b);  // 3 MiB + 5 bytes: two chunks through the default 2 MiB slots
   check_transfer(*b, *a);
   CHECK_FALSE(fake_peer_enabled(0, 1));
   CHECK_FALSE(fake_peer_enabled(1, 0));
+
+  // A ring of four 64 KiB slots on the destination: 17 chunks refill each slot four times, each
+  // refill waiting on the source GPU for the destination's copy out of it.
+  auto& ring = dynamic_cast<HCQAllocator<cuda::CudaHCQDevice>&>(b->allocator());
+  auto* const hold = fake_function<void(int)>("fake_cuda_hold_copies_to_host");
+  std::promise<void> checked;
+  // Whatever fails below, the fake lets go (at the latest 3 s on: a transfer that waited on the
+  // host for its own held copies would otherwise hang) and the ring gets its shape back.
+  struct Cleanup {
+    void (*hold)(int);
+    HCQAllocator<cuda::CudaHCQDevice>& ring;
+    std::size_t slot, slots;
+    std::future<void> releaser;
+    ~Cleanup() {
+      hold(0);
+      if (releaser.valid()) releaser.wait();
+      try {
+        ring.set_staging_shape(slot, slots);
+      } catch (const std::exception&) {
+      }
+    }
+  } cleanup{hold, ring, ring.staging_batch_size(), ring.staging_batch_count(), {}};
+  ring.set_staging_shape(64u << 10, 4);
+  const auto data = random_bytes((1u << 20) + 5, fresh_seed()), before = random_bytes(data.size(), fresh_seed()),
+             after = random_bytes(data.size(), fresh_seed());
+  Buffer src(a->name(), data.size(), dtypes::uint8), dst(b->name(), data.size(), dtypes::uint8);
+  src.allocate().copyin(data);
+  dst.allocate().copyin(before);  // the destination's earlier work, through the same slots
+  hold(1);                        // the source GPU's copies into pinned memory stall
+  cleanup.releaser = std::async(std::launch::async, [hold, done = checked.get_future()] {
+    if (done.wait_for(std::chrono::seconds(3)) == std::future_status::timeout) hold(0);
+  });
+  const auto start = std::chrono::steady_clock::now();
+  HCQAllocator<cuda::CudaHCQDevice>::transfer(dst.allocation(), src.allocation(), data.size(), *a, *b);
+  const auto took = std::chrono::steady_clock::now() - start;
+  src.copyin(after);  // the source's later work: queued behind the transfer's reads of `src`
+  // Nothing of it could run yet, and the destination's queue holds its copies.
+  CHECK(b->timeline_slot()->value.load() < b->timeline_value() - 1);
+  checked.set_value();
+  hold(0);
+  CHECK(took < std::chrono::seconds(2));
+  std::vector<std::byte> back(data.size());
+  dst.copyout(back);
+  CHECK(back == data);
+  src.copyout(back);
+  CHECK(back == after);
+  CHECK(fake_calls("held copy to host") >= 1);
+  // The driver staged none of it: no cuMemcpyAsync between the GPUs.
+  CHECK(fake_calls("cuMemcpyAsync (staged between GPUs)") == driver_staged);
+}
+
+TEST_CASE("cuda fake: a stream's transfer to a GPU without peer access is staged and ordered by its event", "[cuda][fake]") {
+  FakeEnv no_peer("FAKE_CUDA_NO_PEER", "1");
+  auto* a = fake_hcq("CUDA");
+  if (!a) return;
+  auto* b = fake_hcq("CUDA:1");
+  const auto data = random_bytes((5u << 20) + 3, fresh_seed()), before = random_bytes(data.size(), fresh_seed());
+  Buffer src(a->name(), data.size(), dtypes::uint8), dst(b->name(), data.size(), dtypes::uint8);
+  src.allocate();
+  dst.allocate().copyin(before);
+  const long driver_staged = fake_calls("cuMemcpyAsync (staged between GPUs)");
+  auto stream = a->create_stream();
+  stream->copyin(src, data);
+  Event moved = stream->transfer(dst, src);
+  moved.wait();
+  std::vector<std::byte> back(data.size());
+  dst.copyout(back);
+  CHECK(back == data);
+  CHECK(fake_calls("cuMemcpyAsync (staged between GPUs)") == driver_staged);
+  stream->synchronize();
 }
 
 TEST_CASE("cuda fake: without 64-bit stream memory operations signals and waits run as one-thread kernels", "[cuda][fake]") {

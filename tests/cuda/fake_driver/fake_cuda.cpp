@@ -27,7 +27,9 @@
 //    missing dependency shows as a wrong result; fake_cuda_graph_edges() counts the last
 //    instantiated graph's dependencies;
 //  - FAKE_CUDA_NO_PEER=1: no device can access another's memory (copies between them still
-//    work, staged by the "driver"); FAKE_CUDA_NO_MEMOPS=1: no 64-bit stream memory operations.
+//    work, staged by the "driver": as the driver's, such a cuMemcpyAsync returns only once its
+//    stream ran it, counted as fake_cuda_calls("cuMemcpyAsync (staged between GPUs)"));
+//    FAKE_CUDA_NO_MEMOPS=1: no 64-bit stream memory operations.
 //  - cuMemFree, cuMemFreeHost and cuModuleUnload first wait for every stream of the context the
 //    memory or module belongs to, as the driver may ("this API may perform implicit
 //    synchronization"): a free while a stream waits on a word only the caller will write hangs
@@ -519,6 +521,12 @@ int home_of(CUdeviceptr address) {
   return inside_host(static_cast<std::uintptr_t>(address), 1) ? -1 : -2;
 }
 
+// Whether either of GPUs `a` and `b` enabled peer access to the other.
+bool peers(int a, int b) {
+  std::lock_guard lock(g_mutex);
+  return devices()[static_cast<std::size_t>(a)]->peers.count(b) || devices()[static_cast<std::size_t>(b)]->peers.count(a);
+}
+
 // Runs kernel `f` of `device` as the GPU would: FAKE_CUDA_FAIL's run:<name> first, then an
 // illegal address for a buffer argument the device cannot reach.
 CUresult run_kernel(const FakeFunction& f, const FakeDevice& device, const std::vector<std::byte>& args, Dim grid,
@@ -881,7 +889,14 @@ CUresult CUDAAPI cuMemcpyAsync(CUdeviceptr dest, CUdeviceptr src, size_t size, C
     if (to == -1 && from >= 0) g_copy_to_host_hold.wait_while_held();
     return device_copy(reinterpret_cast<void*>(dest), reinterpret_cast<const void*>(src), size);
   });
-  if (r != CUDA_SUCCESS || !stream || !(to == -2 || (to < 0 && from < 0))) return r;
+  if (r != CUDA_SUCCESS || !stream) return r;
+  if (to >= 0 && from >= 0 && to != from && !peers(to, from)) {
+    // Between GPUs without peer access the driver stages the copy through host memory itself and
+    // returns once it ran (holding the context's other copies meanwhile).
+    count_call("cuMemcpyAsync (staged between GPUs)");
+    return stream_of(stream)->synchronize();
+  }
+  if (!(to == -2 || (to < 0 && from < 0))) return r;
   count_call("cuMemcpyAsync (synchronous)");  // fake_cuda_calls counts these too
   return stream_of(stream)->synchronize();
 }
