@@ -1462,7 +1462,20 @@ void CudaHCQDevice::submit_commands(CudaLane lane, std::span<const CudaCommand> 
   // Note [CUDA queue depth]: a producer far ahead of the GPU waits here, not in the driver (whose
   // own queue, once full, blocks inside a launch with our submit mutex held).
   const std::uint64_t reached = timeline_signal().slot().value.load(std::memory_order_acquire);
-  if (timeline_value() > reached + kMaxInFlight + 1) wait_timeline_reached(timeline_value() - 1 - kMaxInFlight);
+  if (timeline_value() > reached + kMaxInFlight + 1) {
+    try {
+      wait_timeline_reached(timeline_value() - 1 - kMaxInFlight);
+    } catch (const Error& e) {
+      // Nothing of this queue went in, and the values it would signal were taken already: they
+      // fail now instead of leaving a hole every later wait would stop at (Note [CUDA failures]).
+      const std::string reason = fmt::format("{}: a submission waited for the GPU to drain its queue (at most {} "
+                                             "timeline values in flight) and gave up: {}",
+                                             name(), kMaxInFlight, e.what());
+      for (const CudaCommand& c : commands)
+        if (c.kind == CommandKind::signal) poison_timeline(*c.slot, reason);
+      throw;
+    }
+  }
   const DeviceState& s = *state_;
   s.make_current();
   CUstream stream = lane == CudaLane::compute ? s.compute : s.copy;

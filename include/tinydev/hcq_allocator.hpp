@@ -160,9 +160,11 @@ class HCQAllocator : public LRUAllocator {
   }
 
   // Copies `size` bytes from `src` on src_device to `dest` on dest_device, ordered after the work
-  // already submitted to both, on src_device's copy queue (the seed's transfer).
-  // With mark_dest false (a stream's transfer, ordered through its Event), dest_device's later
-  // work is not ordered after the copy.
+  // already submitted to both, on src_device's copy queue (the seed's transfer); src_device's
+  // timeline covers the copy. With mark_dest false (a stream's transfer, ordered through its
+  // Event), dest_device's later work is not ordered after the copy, except where the copy is
+  // staged (prepare_transfer said src_device cannot reach dest_device's memory): then
+  // dest_device's copy queue and timeline carry half of it (Note [Staged transfers]).
   static void transfer(Allocation dest, Allocation src, std::size_t size, Device& src_device, Device& dest_device,
                        bool mark_dest = true) {
     // Checked before a timeline value is taken: a value taken and never signalled hangs the device.
@@ -205,69 +207,6 @@ class HCQAllocator : public LRUAllocator {
           .signal(dest_device.timeline_signal(), dest_value)
           .submit(dest_device);
     }
-  }
-
-  // Note [Staged transfers]
-  // Where src_device's copy queue cannot reach dest_device's memory (two GPUs without peer
-  // access), a transfer goes through the destination's staging ring, a slot per chunk, and no
-  // host thread waits for it: src_device's copy queue copies chunk c into a slot once the
-  // destination's timeline says the slot's last reader ran (a device-side wait on the other
-  // device's timeline signal, which both reach) and signals its own timeline; the destination's
-  // copy queue waits for that value, copies the slot into `dest` and signals its timeline, whose
-  // value tags the slot as a copyin's do. So the source fills slot c+1 while the destination
-  // drains slot c. A last command on src_device waits for the destination's last copy, so the
-  // source timeline covers the whole transfer as it covers a direct one (a stream's Event, the
-  // source buffer's free). Unlike a direct transfer, the destination's timeline and copy queue
-  // carry the copy, so its later work is behind it even for a stream's transfer (mark_dest
-  // false). A driver's own staging of such a copy (CUDA's cuMemcpyAsync between GPUs without
-  // peer access) returns only once it ran and holds the context's other copies meanwhile.
-  // Caller holds both submit mutexes.
-  static void staged_transfer(Allocation dest, Allocation src, std::size_t size, Device& src_device,
-                              Device& dest_device) {
-    auto* ring = dynamic_cast<HCQAllocator*>(&dest_device.allocator());
-    if (!ring)
-      throw InvalidArgument(fmt::format(TINYDEV_FMT("transfer from {} to {}: the destination's allocator has no staging "
-                                                    "ring to stage it through"),
-                                        src_device.name(), dest_device.name()));
-    ring->ensure_ring();
-    using Queue = typename Device::copy_queue_type;
-    const std::size_t chunk = ring->batch_size_;
-    debug_log(2, src_device.name(), TINYDEV_FMT("transfer {} -> {}: {} bytes staged through {}'s staging ring ({} "
-                                                "chunks of at most {} bytes)"),
-              src_device.name(), dest_device.name(), size, dest_device.name(), (size + chunk - 1) / chunk, chunk);
-    HCQProfileScope<Device, Queue> prof(src_device,
-                                        fmt::format(TINYDEV_FMT("{} -> {} (staged)"), src_device.name(), dest_device.name()),
-                                        true);
-    for (std::size_t i = 0; i < size; i += chunk) {
-      const std::size_t n = std::min(chunk, size - i);
-      ring->next_ = (ring->next_ + 1) % ring->ring_.size();
-      const Allocation slot = ring->ring_[ring->next_];
-      const std::uint64_t slot_free = ring->ring_timeline_[ring->next_];
-      const std::uint64_t filled = src_device.next_timeline_value();
-      src_device.copy_queue()
-          .wait(src_device.timeline_signal(), filled - 1)
-          .wait(dest_device.timeline_signal(), slot_free)
-          .copy(slot, Allocation{src.va_addr + i, n, src.backend}, n)
-          .signal(src_device.timeline_signal(), filled)
-          .submit(src_device);
-      const std::uint64_t drained = dest_device.next_timeline_value();
-      // Tagged before the submit: should it fail, the value is poisoned, and whoever takes the
-      // slot next finds out instead of filling it under the source's copy.
-      ring->ring_timeline_[ring->next_] = drained;
-      dest_device.copy_queue()
-          .wait(dest_device.timeline_signal(), drained - 1)
-          .wait(src_device.timeline_signal(), filled)
-          .copy(Allocation{dest.va_addr + i, n, dest.backend}, slot, n)
-          .signal(dest_device.timeline_signal(), drained)
-          .submit(dest_device);
-    }
-    const std::uint64_t dest_last = dest_device.timeline_value() - 1;
-    const std::uint64_t value = src_device.next_timeline_value();
-    src_device.copy_queue()
-        .wait(src_device.timeline_signal(), value - 1)
-        .wait(dest_device.timeline_signal(), dest_last)
-        .signal(src_device.timeline_signal(), value)
-        .submit(src_device);
   }
 
   // The seed's transfer through the Allocator interface (tinydev::copy between two devices of
@@ -407,6 +346,92 @@ class HCQAllocator : public LRUAllocator {
     }
     ring_timeline_.assign(batch_count_, 0);
     ring_ = std::move(ring);
+  }
+
+  // Note [Staged transfers]
+  // Where src_device's copy queue cannot reach dest_device's memory (two GPUs without peer
+  // access), a transfer goes through the destination's staging ring, a slot per chunk, and no
+  // host thread waits for the ring: src_device's copy queue copies chunk c into a slot once the
+  // destination's timeline says the slot's last reader ran (a device-side wait on the other
+  // device's timeline signal, which both reach) and signals its own timeline; the destination's
+  // copy queue waits for that value, copies the slot into `dest` and signals its timeline, whose
+  // value tags the slot as a copyin's do. So the source fills slot c+1 while the destination
+  // drains slot c. A last command on src_device waits for the destination's last copy, so the
+  // source timeline covers the whole transfer as it covers a direct one (a stream's Event, the
+  // source buffer's free). Unlike a direct transfer, the destination's timeline and copy queue
+  // carry the copy, so its later work is behind it even for a stream's transfer (mark_dest
+  // false). Each chunk takes a value on both timelines, so a transfer of more chunks than a
+  // device lets be in flight (CUDA: 1000) waits on the host for the first ones. Both values of a
+  // chunk are reserved before either queue is submitted (a throw completes them empty, Note
+  // [Timeline reservations]), the slot tagged first; a slot whose fill may have gone in without
+  // its drain is given up (left out of the ring, not freed: the source may still write it).
+  // A driver's own staging of such a copy (CUDA's cuMemcpyAsync between GPUs without peer
+  // access) returns only once it ran. Caller holds both submit mutexes.
+  static void staged_transfer(Allocation dest, Allocation src, std::size_t size, Device& src_device,
+                              Device& dest_device) {
+    auto* ring = dynamic_cast<HCQAllocator*>(&dest_device.allocator());
+    if (!ring)
+      throw InvalidArgument(fmt::format(TINYDEV_FMT("transfer from {} to {}: the destination's allocator has no staging "
+                                                    "ring to stage it through"),
+                                        src_device.name(), dest_device.name()));
+    if (size == 0) return;
+    ring->ensure_ring();
+    using Queue = typename Device::copy_queue_type;
+    const std::size_t chunk = ring->batch_size_;
+    debug_log(2, src_device.name(), TINYDEV_FMT("transfer {} -> {}: {} bytes staged through {}'s staging ring ({} "
+                                                "chunks of at most {} bytes)"),
+              src_device.name(), dest_device.name(), size, dest_device.name(), (size + chunk - 1) / chunk, chunk);
+    HCQProfileScope<Device, Queue> prof(src_device,
+                                        fmt::format(TINYDEV_FMT("{} -> {} (staged)"), src_device.name(), dest_device.name()),
+                                        true);
+    for (std::size_t i = 0; i < size; i += chunk) {
+      const std::size_t n = std::min(chunk, size - i);
+      const std::size_t index = (ring->next_ + 1) % ring->ring_.size();
+      const Allocation slot = ring->ring_[index];
+      auto filled = src_device.reserve_timeline_value();
+      auto drained = dest_device.reserve_timeline_value();
+      const std::uint64_t slot_free = ring->ring_timeline_[index];
+      ring->next_ = index;
+      ring->ring_timeline_[index] = drained.value();
+      try {
+        src_device.copy_queue()
+            .wait(src_device.timeline_signal(), filled.value() - 1)
+            .wait(dest_device.timeline_signal(), slot_free)
+            .copy(slot, Allocation{src.va_addr + i, n, src.backend}, n)
+            .signal(src_device.timeline_signal(), filled.value())
+            .submit(src_device);
+        filled.submitted();
+        dest_device.copy_queue()
+            .wait(dest_device.timeline_signal(), drained.value() - 1)
+            .wait(src_device.timeline_signal(), filled.value())
+            .copy(Allocation{dest.va_addr + i, n, dest.backend}, slot, n)
+            .signal(dest_device.timeline_signal(), drained.value())
+            .submit(dest_device);
+        drained.submitted();
+      } catch (...) {
+        ring->give_up_slot(index);
+        throw;
+      }
+    }
+    auto last = src_device.reserve_timeline_value();
+    src_device.copy_queue()
+        .wait(src_device.timeline_signal(), last.value() - 1)
+        .wait(dest_device.timeline_signal(), dest_device.timeline_value() - 1)
+        .signal(src_device.timeline_signal(), last.value())
+        .submit(src_device);
+    last.submitted();
+  }
+  // A slot the device may still write, whose tag says nothing of when: left out of the ring and
+  // never freed (Note [Staged transfers]). An emptied ring is made anew at the next staged copy.
+  void give_up_slot(std::size_t index) noexcept {
+    ring_.erase(ring_.begin() + static_cast<std::ptrdiff_t>(index));
+    ring_timeline_.erase(ring_timeline_.begin() + static_cast<std::ptrdiff_t>(index));
+    next_ = ring_.empty() ? 0 : (index + ring_.size() - 1) % ring_.size();
+    try {
+      debug_log(1, device_.name(), TINYDEV_FMT("left a staging slot of {} bytes out of the ring: a failed staged "
+                                               "transfer may still write it"), batch_size_);
+    } catch (...) {
+    }
   }
 
   static constexpr std::uint64_t kSlotTaken = ~0ull;  // Note [Disk reads into the staging ring]

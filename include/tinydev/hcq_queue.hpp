@@ -153,7 +153,7 @@ namespace detail {
 // A vector of trivially copyable values keeping its first N in place: what a queue keeps per
 // signal and per signal pool is one or two entries for nearly every queue (an eager one: a wait
 // and a signal on one pool), and a heap block for each was an allocation and a free per queue.
-// Not a general container: append, insert, index and iterate are all the queue needs.
+// Not a general container: append, drop the last, insert, index and iterate are all the queue needs.
 template <class T, std::size_t N>
 class SmallVector {
   static_assert(std::is_trivially_copyable_v<T>);
@@ -211,6 +211,10 @@ class SmallVector {
     ++size_;
   }
   void push_back(const T& value) { insert(end(), value); }
+  void pop_back() noexcept {  // not empty
+    --size_;
+    if (!heap_.empty()) heap_.pop_back();  // an emptied heap holds nothing, as an empty local_ does
+  }
 
  private:
   T local_[N];
@@ -277,16 +281,13 @@ class HWCommandQueue {
   template <class Emit>
   Derived& record(CommandKind kind, Emit&& emit) {
     std::vector<Command>& q = mutable_commands();
-    if (recorded_.empty()) {
-      // Most queues are a handful of commands recorded once (eager exec: wait, exec, signal):
-      // one allocation per vector instead of one per doubling.
-      q.reserve(8);
-      recorded_.reserve(8);
-    }
-    const std::size_t before = q.size();
     // Room for the record first, growing as push_back would: once the words are in, recording
-    // them cannot fail (words without a record would still be submitted).
-    if (recorded_.size() == recorded_.capacity()) recorded_.reserve(2 * recorded_.capacity());
+    // them cannot fail (words without a record would still be submitted). Both vectors start at
+    // 8: most queues are a handful of commands recorded once (eager exec: wait, exec, signal),
+    // so one allocation each instead of one per doubling.
+    if (recorded_.size() == recorded_.capacity()) recorded_.reserve(std::max<std::size_t>(8, 2 * recorded_.capacity()));
+    if (q.capacity() == 0) q.reserve(8);
+    const std::size_t before = q.size();
     try {
       emit();
     } catch (...) {
@@ -301,9 +302,16 @@ class HWCommandQueue {
   Derived& record(CommandKind kind, const Signal& signal, Emit&& emit) {
     signal.slot();  // throws for a freed or empty handle, before anything is recorded
     note_pool(signal);
-    const std::size_t cmd = recorded_.size();
-    record(kind, std::forward<Emit>(emit));
-    note_signal_use(cmd, signal);
+    // The signal's use before the words: once they are recorded nothing may fail, or the command
+    // would be submitted without the liveness check (Note [Signals of a recorded queue]). A new
+    // command is the last, so its use goes at the end.
+    signal_uses_.push_back(SignalUse{static_cast<std::uint32_t>(recorded_.size()), signal});
+    try {
+      record(kind, std::forward<Emit>(emit));
+    } catch (...) {
+      signal_uses_.pop_back();
+      throw;
+    }
     return self();
   }
 

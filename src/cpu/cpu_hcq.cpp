@@ -53,22 +53,21 @@ void copy_command(std::byte* dest, const std::byte* src, std::size_t size) {
 
 // ---- queues ---------------------------------------------------------------------------------------
 
-void CpuComputeQueue::_exec(const CpuProgram& program, const Kernargs& kernargs, Dim3 global, Dim3 local) {
+// The local size goes unused: a CPU kernel has none (Note [Compact commands]).
+void CpuComputeQueue::_exec(const CpuProgram& program, const Kernargs& kernargs, Dim3 global, Dim3 /*local*/) {
   program.check_launch(kernargs.num_buffers, kernargs.num_values, global);
   if (!kernargs.ptr && kernargs.size() != 0)
     throw InvalidArgument(fmt::format("exec of '{}': the kernargs have no memory; allocate them with the "
                                       "device's alloc_kernargs()",
                                       program.name()));
-  (void)local;  // Note [Compact commands]: a CPU kernel has no local size
   mutable_commands().push_back(CpuCommand::of_exec(&program, kernargs.ptr, kernargs.num_buffers, kernargs.num_values,
                                                    global, Profiler::current_request(), Profiler::current_graph()));
 }
 
-void CpuComputeQueue::_update_exec(std::size_t cmd, Dim3 global, Dim3 local) {
+void CpuComputeQueue::_update_exec(std::size_t cmd, Dim3 global, Dim3 /*local*/) {
   CpuCommand& c = *command_words(cmd);
   c.program->check_launch(c.num_buffers, c.num_values, global);
   c.global = global;
-  (void)local;  // Note [Compact commands]
 }
 
 void CpuComputeQueue::_submit(Compiled& device) {

@@ -1297,6 +1297,32 @@ TEST_CASE("cuda fake: a producer far ahead of the GPU blocks at about 1000 opera
   CHECK(submitted.load() == 1500);
 }
 
+TEST_CASE("cuda fake: a copy that gives up at the queue-depth bound fails the value it took - later waits fail at once instead of stopping at a hole", "[cuda][fake]") {
+  auto* dev = fake_hcq();
+  if (!dev) return;
+  const auto data = random_floats(1000, fresh_seed());
+  Buffer b(dev->name(), data.size(), dtypes::float32);
+  b.allocate();
+  Signal gate = dev->alloc_signal(0);
+  submit_ordered(*dev, [&](auto& q) { q.wait(gate, 1); });  // the GPU stalls here
+  for (int i = 0; i < 999; ++i) submit_ordered(*dev, [](auto&) {});  // 1000 values in flight: the bound
+  {
+    // A staged copyin takes its timeline value, then its submit waits for the GPU to drain.
+    ScopedOverride timeout("TINYDEV_WAIT_TIMEOUT_MS", "300");
+    CHECK_THROWS_AS(hcq_copyin_forced(*dev, b, data), Timeout);
+  }
+  gate.set(1);
+  // That value failed: a synchronize says so at once, not after TINYDEV_WAIT_TIMEOUT_MS (30 s).
+  const auto start = std::chrono::steady_clock::now();
+  CHECK_THROWS_WITH(dev->synchronize(), Catch::Contains("gave up"));
+  CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(10));
+  dev->recover();
+  hcq_copyin_forced(*dev, b, data);
+  std::vector<float> back(data.size());
+  b.copyout(std::span<float>(back));
+  CHECK(back == data);
+}
+
 TEST_CASE("cuda fake: a 100-kernel CUDA graph replays as eager and patches only the nodes whose inputs changed", "[cuda][fake]") {
   auto* dev = fake_hcq();
   if (!dev) return;
