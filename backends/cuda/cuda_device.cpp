@@ -1466,8 +1466,9 @@ void CudaHCQDevice::submit_commands(CudaLane lane, std::span<const CudaCommand> 
     try {
       wait_timeline_reached(timeline_value() - 1 - kMaxInFlight);
     } catch (const Error& e) {
-      // Nothing of this queue went in, and the values it would signal were taken already: they
-      // fail now instead of leaving a hole every later wait would stop at (Note [CUDA failures]).
+      // Nothing of this queue went in, and the timeline values it would signal were taken already:
+      // what it would signal fails now instead of leaving a hole every later wait would stop at
+      // (Note [CUDA failures]), user signals as after any submit that failed.
       const std::string reason = fmt::format("{}: a submission waited for the GPU to drain its queue (at most {} "
                                              "timeline values in flight) and gave up: {}",
                                              name(), kMaxInFlight, e.what());
@@ -1861,6 +1862,13 @@ std::optional<double> CudaHCQDevice::run_ordered(StreamWork work, std::string_vi
     }
     if (timed) check(s.api.cuEventRecord(s.end, s.compute), "cuEventRecord", name());
     check(static_cast<CUresult>(end_span(span, s.compute)), "launching the timestamp kernel", name());
+  } catch (const Timeout& e) {
+    // The wait's submit gave up at the queue-depth bound (Note [CUDA queue depth]): a signal's
+    // submit would wait as long again, so the value fails here.
+    if (timed)
+      poison_timeline(timeline_signal().slot(),
+                      fmt::format("{}: {} gave up waiting for the GPU to drain its queue: {}", name(), what, e.what()));
+    throw;
   } catch (...) {
     // Nothing of this call runs: the timeline moves on (a non-sticky failure leaves the device usable).
     if (!timeline_signal().slot().poisoned.load()) signal();

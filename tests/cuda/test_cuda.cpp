@@ -822,8 +822,11 @@ long fake_calls(const char* function) { return fake_function<long(const char*)>(
 void hcq_copyin_forced(cuda::CudaHCQDevice& dev, Buffer& b, const std::vector<float>& data) {
   auto& allocator = dynamic_cast<HCQAllocator<cuda::CudaHCQDevice>&>(dev.allocator());
   allocator.set_force_staging(true);
+  struct Unforce {  // also when the copyin throws: later tests share the device
+    HCQAllocator<cuda::CudaHCQDevice>& allocator;
+    ~Unforce() { allocator.set_force_staging(false); }
+  } unforce{allocator};
   b.copyin(std::span<const float>(data));
-  allocator.set_force_staging(false);
 }
 
 void check_transfer(cuda::CudaHCQDevice& a, cuda::CudaHCQDevice& b) {
@@ -1321,6 +1324,42 @@ TEST_CASE("cuda fake: a copy that gives up at the queue-depth bound fails the va
   std::vector<float> back(data.size());
   b.copyout(std::span<float>(back));
   CHECK(back == data);
+}
+
+TEST_CASE("cuda fake: a timed direct call at the queue-depth bound gives up after one timeout - its value fails", "[cuda][fake]") {
+  auto* dev = fake_hcq();
+  if (!dev) return;
+  auto add = dev->load_kernel("add", kernels::add_f32(SourceLanguage::CUDA));
+  const auto x = random_floats(256, fresh_seed());
+  Buffer a(dev->name(), x.size(), dtypes::float32), o(dev->name(), x.size(), dtypes::float32);
+  a.allocate().copyin(std::span<const float>(x));
+  o.allocate();
+  const Allocation bufs[] = {o.allocation(), a.allocation(), a.allocation()};
+  const std::int32_t vals[] = {static_cast<std::int32_t>(x.size())};
+  Signal gate = dev->alloc_signal(0);
+  submit_ordered(*dev, [&](auto& q) { q.wait(gate, 1); });  // the GPU stalls here
+  for (int i = 0; i < 998; ++i) submit_ordered(*dev, [](auto&) {});
+  {
+    // The 1000th value in flight, signalled from the copy stream: the call first orders the
+    // compute stream after it, a submit that waits at the bound.
+    auto r = dev->reserve_timeline_value();
+    dev->copy_queue().wait(dev->timeline_signal(), r.value() - 1).signal(dev->timeline_signal(), r.value()).submit(*dev);
+    r.submitted();
+  }
+  {
+    ScopedOverride timeout("TINYDEV_WAIT_TIMEOUT_MS", "1000");
+    const auto start = std::chrono::steady_clock::now();
+    CHECK_THROWS_AS((*add)(bufs, vals, LaunchParams{.global = {1, 1, 1}, .local = {256, 1, 1}, .wait = true}), Timeout);
+    // One wait at the bound, not a second one for the signal after it.
+    CHECK(std::chrono::steady_clock::now() - start < std::chrono::milliseconds(1900));
+  }
+  gate.set(1);
+  CHECK_THROWS_WITH(dev->synchronize(), Catch::Contains("gave up"));
+  dev->recover();
+  (*add)(bufs, vals, LaunchParams{.global = {1, 1, 1}, .local = {256, 1, 1}, .wait = true});
+  std::vector<float> got(x.size());
+  o.copyout(std::span<float>(got));
+  for (std::size_t i = 0; i < x.size(); ++i) REQUIRE(got[i] == x[i] + x[i]);
 }
 
 TEST_CASE("cuda fake: a 100-kernel CUDA graph replays as eager and patches only the nodes whose inputs changed", "[cuda][fake]") {
