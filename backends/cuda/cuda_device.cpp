@@ -691,8 +691,8 @@ std::uint64_t CudaHCQDevice::free_memory() const {
   return free;
 }
 
-CudaAllocator::CudaAllocator(CudaHCQDevice& device, std::uint64_t device_memory)
-    : HCQAllocator<CudaHCQDevice>(device) {
+CudaAllocator::CudaAllocator(CudaHCQDevice& device, std::uint64_t device_memory, std::size_t staging_slots)
+    : HCQAllocator<CudaHCQDevice>(device, kDefaultBatchSize, staging_slots) {
   set_default_max_bytes(device_memory);
 }
 
@@ -794,7 +794,13 @@ CudaHCQDevice::CudaHCQDevice(const std::string& name, std::shared_ptr<DeviceStat
 }
 
 CudaHCQDevice::CudaHCQDevice(CudaHCQDevice& parent, const std::string& lane_name)
-    : HCQCompiled(lane_name, std::make_shared<CudaAllocator>(*this, parent.state_->total_memory), parent.shared_compiler(), parent.shared_runtime(),
+    // A stream's copies are a request's, not a model's weights: 4 pinned slots of 2 MiB (8 MiB a
+    // lane, made at its first staged copy), not the device's 32 (64 MiB for each of 64 lanes).
+    // Given at construction, not by set_staging_shape: that takes the lane's submit lock, and
+    // lanes are made under the lane pool's lock, which a lane's copies take under their submit
+    // lock (release_deferred asks every lane): the two orders ThreadSanitizer calls a deadlock.
+    : HCQCompiled(lane_name, std::make_shared<CudaAllocator>(*this, parent.state_->total_memory, 4),
+                  parent.shared_compiler(), parent.shared_runtime(),
                   SourceLanguage::CUDA, shared_signal_pool(parent.state_)),
       state_(open_lane_state(*parent.state_, lane_name)),
       kernargs_(lane_name),
@@ -802,9 +808,6 @@ CudaHCQDevice::CudaHCQDevice(CudaHCQDevice& parent, const std::string& lane_name
       parent_(&parent) {
   never_wrap_timeline();  // its events live on (Note [Timeline wrap])
   clock_offset_ns_ = parent.clock_offset_ns_;  // the same GPU's clock
-  // A stream's copies are a request's, not a model's weights: 4 pinned slots of 2 MiB (8 MiB a
-  // lane, made at its first staged copy), not the device's 32 (64 MiB for each of 64 lanes).
-  static_cast<CudaAllocator&>(allocator()).set_staging_shape(CudaAllocator::kDefaultBatchSize, 4);
   LiveDevices& live = live_devices();
   std::lock_guard lock(live.mutex);
   live.devices.push_back(this);

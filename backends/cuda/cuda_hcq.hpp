@@ -219,8 +219,9 @@ class CudaCopyQueue final : public HWCopyQueue<CudaCopyQueue, CudaCommand> {
 // (cuMemHostAlloc), which the staging ring's slots are too.
 class CudaAllocator final : public HCQAllocator<CudaHCQDevice> {
  public:
-  // `device_memory` (the GPU's) is the cache's default bound (Note [CUDA cache bound]).
-  CudaAllocator(CudaHCQDevice& device, std::uint64_t device_memory);
+  // `device_memory` (the GPU's) is the cache's default bound (Note [CUDA cache bound]);
+  // `staging_slots` the ring's slots of kDefaultBatchSize (a lane's is smaller than a device's).
+  CudaAllocator(CudaHCQDevice& device, std::uint64_t device_memory, std::size_t staging_slots = kDefaultBatchCount);
   ~CudaAllocator() override;
   std::string describe() const override;
   // Pinned host buffers (host=true, tagged by their Allocation::backend): copies to and from them
