@@ -1462,6 +1462,12 @@ void CudaHCQDevice::check_health() const {
 void CudaHCQDevice::submit_commands(CudaLane lane, std::span<const CudaCommand> commands) {
   std::lock_guard lock(submit_mutex());
   throw_if_failed();
+  // What the queue would still have signalled from command `from` on never comes (Note [CUDA
+  // failures]): its timeline values were taken already, and a hole would stop every later wait.
+  const auto poison_from = [&](std::size_t from, std::string_view reason) {
+    for (std::size_t j = from; j < commands.size(); ++j)
+      if (commands[j].kind == CommandKind::signal) poison_timeline(*commands[j].slot, reason);
+  };
   // Note [CUDA queue depth]: a producer far ahead of the GPU waits here, not in the driver (whose
   // own queue, once full, blocks inside a launch with our submit mutex held).
   const std::uint64_t reached = timeline_signal().slot().value.load(std::memory_order_acquire);
@@ -1469,14 +1475,11 @@ void CudaHCQDevice::submit_commands(CudaLane lane, std::span<const CudaCommand> 
     try {
       wait_timeline_reached(timeline_value() - 1 - kMaxInFlight);
     } catch (const Error& e) {
-      // Nothing of this queue went in, and the timeline values it would signal were taken already:
-      // what it would signal fails now instead of leaving a hole every later wait would stop at
-      // (Note [CUDA failures]), user signals as after any submit that failed.
-      const std::string reason = fmt::format("{}: a submission waited for the GPU to drain its queue (at most {} "
-                                             "timeline values in flight) and gave up: {}",
-                                             name(), kMaxInFlight, e.what());
-      for (const CudaCommand& c : commands)
-        if (c.kind == CommandKind::signal) poison_timeline(*c.slot, reason);
+      // Nothing of this queue went in: all it would signal fails, user signals too, as after any
+      // submit that failed.
+      poison_from(0, fmt::format("{}: a submission waited for the GPU to drain its queue (at most {} timeline "
+                                 "values in flight) and gave up: {}",
+                                 name(), kMaxInFlight, e.what()));
       throw;
     }
   }
@@ -1510,12 +1513,6 @@ void CudaHCQDevice::submit_commands(CudaLane lane, std::span<const CudaCommand> 
   // A recorded GPU wait must not reach a stream while a free or unload that did not see the
   // record is in the driver (Note [CUDA implicit synchronization]).
   if (issued.id != 0) wait_for_driver_releases();
-  // What the queue would still have signalled from command `from` on never comes (Note [CUDA
-  // failures]).
-  const auto poison_from = [&](std::size_t from, std::string_view reason) {
-    for (std::size_t j = from; j < commands.size(); ++j)
-      if (commands[j].kind == CommandKind::signal) poison_timeline(*commands[j].slot, reason);
-  };
   // `from`: the first command the failed call issued (a batch's first, else the current one).
   const auto issue = [&](CUresult r, std::string_view what, std::size_t from) {
     if (r == CUDA_SUCCESS) [[likely]]
