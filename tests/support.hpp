@@ -42,6 +42,27 @@ void skip(const std::string& reason);
     }                                                                                              \
   } while (false)
 
+// Errors caught on threads a test starts, handed to the test's thread: a thread body records
+// what it caught with add(); once every thread joined, the test calls check_none(), which reports
+// each error as a message and fails a CHECK if there was any (Catch's macros are not thread-safe,
+// see TINYDEV_TEST_ASSERT). add() is thread-safe; check_none() runs on the test's thread only.
+class ThreadErrors {
+ public:
+  void add(std::string error) {
+    std::lock_guard lock(mutex_);
+    errors_.push_back(std::move(error));
+  }
+  void check_none() {
+    std::lock_guard lock(mutex_);
+    for (const std::string& error : errors_) UNSCOPED_INFO(error);
+    CHECK(errors_.empty());
+  }
+
+ private:
+  std::mutex mutex_;
+  std::vector<std::string> errors_;
+};
+
 // Marks that the current test did real work (the conformance suite calls it per backend run).
 void note_ran();
 // How many times skip() was called in this run.

@@ -838,8 +838,7 @@ TEST_CASE("serving: 4 clients with a stream each make 1000 requests each and eve
     auto add = load_add(dev);
     constexpr int kClients = 4, kRequests = 1000;
     std::atomic<int> wrong{0};
-    std::mutex errors_mutex;
-    std::vector<std::string> errors;  // reported after the joins: Catch's macros are not thread-safe
+    ThreadErrors errors;
     std::vector<std::thread> clients;
     const std::uint64_t seed = fresh_seed();
     for (int c = 0; c < kClients; ++c) {
@@ -862,14 +861,12 @@ TEST_CASE("serving: 4 clients with a stream each make 1000 requests each and eve
             if (back != add_reference(add_reference(va, vb), vb)) wrong += 1;
           }
         } catch (const std::exception& e) {
-          std::lock_guard lock(errors_mutex);
-          errors.push_back("client " + std::to_string(c) + ": " + e.what());
+          errors.add("client " + std::to_string(c) + ": " + e.what());
         }
       });
     }
     for (std::thread& t : clients) t.join();
-    for (const std::string& error : errors) UNSCOPED_INFO(error);
-    CHECK(errors.empty());
+    errors.check_none();
     CHECK(wrong == 0);
   }, kHcqKernels);
 }

@@ -2262,8 +2262,7 @@ TEST_CASE("cuda gpu: 4 clients with a stream each make 200 requests each and eve
   if (!dev) return;
   auto add = dev->load_kernel("add", kernels::add_f32(SourceLanguage::CUDA));
   std::atomic<int> wrong{0};
-  std::mutex errors_mutex;
-  std::vector<std::string> errors;  // reported after the joins: Catch's macros are not thread-safe
+  ThreadErrors errors;
   std::vector<std::thread> clients;
   for (int c = 0; c < 4; ++c) {
     clients.emplace_back([&, c] {
@@ -2286,14 +2285,12 @@ TEST_CASE("cuda gpu: 4 clients with a stream each make 200 requests each and eve
           for (std::size_t i = 0; i < n; ++i) wrong += got[i] != x[i] + y[i];
         }
       } catch (const std::exception& e) {
-        std::lock_guard lock(errors_mutex);
-        errors.push_back("client " + std::to_string(c) + ": " + e.what());
+        errors.add("client " + std::to_string(c) + ": " + e.what());
       }
     });
   }
   for (auto& t : clients) t.join();
-  for (const std::string& error : errors) UNSCOPED_INFO(error);
-  CHECK(errors.empty());
+  errors.check_none();
   CHECK(wrong == 0);
 }
 
