@@ -38,7 +38,7 @@ enum class LogLevel : std::uint8_t {
 std::string_view to_string(LogLevel level) noexcept;  // "debug", "info", "warning", "error"
 
 // The sink: the level, the subsystem (a device name such as "LLVM" or "CUDA:1", or one of
-// "config", "registry", "cache", "buffer", "profile") and the message, one line without a newline.
+// "config", "cache", "buffer", "profile", "compiler") and the message, one line without a newline.
 using LogSink = std::function<void(LogLevel level, std::string_view subsystem, std::string_view message)>;
 
 // Sends every later message to `sink`; an empty function restores the default (stderr).
