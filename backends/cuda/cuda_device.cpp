@@ -2006,9 +2006,12 @@ std::map<std::string, std::string> CudaHCQDevice::properties() const {
   props["multiprocessors"] = std::to_string(attribute(s, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, "SMs"));
   props["64-bit stream memory operations"] =
       s.memops ? "yes"
-               : (s.kernel_time_limit ? "no (signals and waits run as one-thread kernels, and this GPU's kernel time "
-                                        "limit ends a wait that lasts longer, with the context)"
-                                      : "no (signals and waits run as one-thread kernels)");
+               : fmt::format("no ({}signals and waits run as one-thread kernels{})",
+                             s.memops_refused.empty() ? ""
+                                                      : fmt::format("the GPU reports them, but at open {}; ", s.memops_refused),
+                             s.kernel_time_limit ? ", and this GPU's kernel time limit ends a wait that lasts longer, with "
+                                                   "the context"
+                                                 : "");
   const std::string unsupported = compiler.unsupported_reason();
   props["compiler"] = unsupported.empty() ? fmt::format("NVRTC {} to {} for {}", compiler.nvrtc_version(),
                                                         compiler.ptx() ? "PTX (driver JIT)" : "CUBIN", compiler.arch())
@@ -2083,6 +2086,58 @@ void release_at_exit() {
   }
 }
 
+// Note [Probing stream memory operations]
+// CAN_USE_64_BIT_STREAM_MEM_OPS says the driver offers them, not that this GPU's setup takes
+// them: a virtualized GPU or a driver setting can refuse them at the call (not supported, invalid
+// value), and every queue's first signal would then fail. So a GPU whose attribute says yes writes
+// one word of pinned, device-mapped memory (as the signal slots are) from its compute stream and,
+// once that landed, waits for it on its copy stream. A refusal, or a word that did not change,
+// turns them off for this GPU with a warning: signals and waits then run as one-thread kernels,
+// as on a GPU without them, and `tinydev devices` says why. A sticky error fails the open.
+// Returns "" when they work, else why not.
+std::string probe_stream_memory_operations(const DeviceState& state) {
+  const Driver& api = state.api;
+  void* word = nullptr;
+  check(api.cuMemHostAlloc(&word, 64, CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP),
+        "cuMemHostAlloc of 64 bytes (probing stream memory operations)", state.name);
+  struct Freed {
+    const Driver& api;
+    void* word;
+    ~Freed() { api.cuMemFreeHost(word); }
+  } freed{api, word};
+  auto* value = static_cast<volatile std::uint64_t*>(word);
+  *value = 0;
+  constexpr std::uint64_t kWritten = 0x7464'7072'6f62'6501ull;  // above 2^32: all 64 bits must land
+  const auto address = reinterpret_cast<CUdeviceptr>(word);  // Note [CUDA signal memory]
+  CUstreamBatchMemOpParams op{};
+  op.writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_64;
+  op.writeValue.address = address;
+  op.writeValue.value64 = kWritten;
+  op.writeValue.flags = CU_STREAM_WRITE_VALUE_DEFAULT;
+  const auto refused = [&](CUresult r, std::string_view what) {
+    if (sticky(r)) check(r, fmt::format("{} (probing stream memory operations)", what), state.name);
+    return fmt::format("{} failed: {}", what, describe(r));
+  };
+  if (CUresult r = api.cuStreamBatchMemOp(state.compute, 1, &op, 0); r != CUDA_SUCCESS)
+    return refused(r, "a 64-bit write (cuStreamBatchMemOp)");
+  if (CUresult r = api.cuStreamSynchronize(state.compute); r != CUDA_SUCCESS)
+    return refused(r, "cuStreamSynchronize after a 64-bit write");
+  if (*value != kWritten)
+    return fmt::format("a 64-bit write from the GPU did not land in pinned memory (read {:#x}, wrote {:#x})",
+                       static_cast<std::uint64_t>(*value), kWritten);
+  // The value is there already, so this wait never holds the stream.
+  op = {};
+  op.waitValue.operation = CU_STREAM_MEM_OP_WAIT_VALUE_64;
+  op.waitValue.address = address;
+  op.waitValue.value64 = kWritten;
+  op.waitValue.flags = CU_STREAM_WAIT_VALUE_GEQ;
+  if (CUresult r = api.cuStreamBatchMemOp(state.copy, 1, &op, 0); r != CUDA_SUCCESS)
+    return refused(r, "a 64-bit wait (cuStreamBatchMemOp)");
+  if (CUresult r = api.cuStreamSynchronize(state.copy); r != CUDA_SUCCESS)
+    return refused(r, "cuStreamSynchronize after a 64-bit wait");
+  return {};
+}
+
 // Retains the GPU's primary context and makes the state's two streams, its two timing events and,
 // with `load_kernels`, the queue kernels; on a failure undoes what it made and throws.
 void retain_context_and_queues(DeviceState& state, bool load_kernels) {
@@ -2110,6 +2165,18 @@ void retain_context_and_queues(DeviceState& state, bool load_kernels) {
           {&state.timestamp, "tinydev_timestamp"}, {&state.signal, "tinydev_signal"}, {&state.wait, "tinydev_wait"}};
       for (const auto& [function, kernel] : kernels)
         check(api.cuModuleGetFunction(function, state.queue_module, kernel), fmt::format("finding {}", kernel), name);
+      // A GPU's first open (a lane takes its parent's answer).
+      if (state.memops) {
+        state.memops_refused = probe_stream_memory_operations(state);
+        if (!state.memops_refused.empty()) {
+          state.memops = false;
+          log_message(LogLevel::warning, name,
+                      fmt::format("the GPU reports 64-bit stream memory operations, but {}: they are off for this "
+                                  "GPU, and queue signals and waits run as one-thread kernels (Note [Probing stream "
+                                  "memory operations])",
+                                  state.memops_refused));
+        }
+      }
     }
   } catch (...) {
     if (state.queue_module) api.cuModuleUnload(state.queue_module);
@@ -2172,6 +2239,9 @@ std::shared_ptr<DeviceState> open_state(const std::string& name) {
   std::size_t total_memory = 0;
   check(api.cuDeviceTotalMem(&total_memory, state->device), "cuDeviceTotalMem", name);
   state->total_memory = total_memory;
+  if (!attribute(*state, CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING, "unified addressing"))
+    throw DeviceUnavailable(fmt::format("{}: the GPU has no unified addressing, which tinydev's CUDA queues need", name));
+  retain_context_and_queues(*state, /*load_kernels=*/true);  // probes the memory operations
   // Note [CUDA queues]: without memory operations a wait is a kernel that spins, and a time limit
   // (a display attached, WSL) kills it, and the context with it, when the wait lasts too long.
   if (!state->memops && state->kernel_time_limit)
@@ -2179,9 +2249,6 @@ std::shared_ptr<DeviceState> open_state(const std::string& name) {
                 "this GPU has no 64-bit stream memory operations, so queue waits run as spinning kernels, and it "
                 "has a kernel time limit (a display attached, or WSL): a wait longer than that limit (seconds) "
                 "kills the CUDA context; keep waits short, or use a GPU without a display");
-  if (!attribute(*state, CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING, "unified addressing"))
-    throw DeviceUnavailable(fmt::format("{}: the GPU has no unified addressing, which tinydev's CUDA queues need", name));
-  retain_context_and_queues(*state, /*load_kernels=*/true);
   return state;
 }
 
@@ -2199,6 +2266,7 @@ std::shared_ptr<DeviceState> open_lane_state(const DeviceState& parent, const st
   state->major = parent.major;
   state->minor = parent.minor;
   state->memops = parent.memops;
+  state->memops_refused = parent.memops_refused;
   state->total_memory = parent.total_memory;
   // The parent's queue kernels: its module lives as long as the process.
   state->timestamp = parent.timestamp;

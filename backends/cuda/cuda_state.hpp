@@ -31,7 +31,8 @@ struct DeviceState {
   // the value; tinydev_wait(u64*, u64) spins until the word is at least the value.
   CUfunction signal = nullptr, wait = nullptr;
   int major = 0, minor = 0;        // compute capability, read once at open
-  bool memops = false;             // CAN_USE_64_BIT_STREAM_MEM_OPS
+  bool memops = false;             // CAN_USE_64_BIT_STREAM_MEM_OPS, and they worked at open
+  std::string memops_refused;      // why they are off although the attribute says yes (Note [Probing stream memory operations])
   bool kernel_time_limit = false;  // KERNEL_EXEC_TIMEOUT: the driver ends kernels that run too long
   std::uint64_t total_memory = 0;  // cuDeviceTotalMem: the device allocator's cache bound (Note [CUDA cache bound])
   std::atomic<bool> released{false};  // Note [CUDA at exit]

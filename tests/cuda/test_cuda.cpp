@@ -1164,6 +1164,75 @@ TEST_CASE("cuda fake: transfer between GPUs enables peer access once both ways a
   check_transfer(*b, *a);  // enabled already: no second enable (the fake would refuse it)
 }
 
+TEST_CASE("cuda fake: a GPU whose stream memory operations fail at open runs its queues on one-thread kernels and says why", "[cuda][fake]") {
+  auto* a = fake_hcq("CUDA");
+  if (!a) return;
+  // Note [Probing stream memory operations]: the fake's attribute says yes; the calls fail.
+  {
+    FakeEnv fail("FAKE_CUDA_FAIL", "cuStreamBatchMemOp=700");  // sticky: the open fails
+    try {
+      Device["CUDA:1"];
+      return skip("CUDA:1 was opened before this test (run it alone, as ctest does)");
+    } catch (const Error& e) {
+      CHECK_THAT(std::string(e.what()), Catch::Contains("CUDA:1") && Catch::Contains("probing stream memory operations") &&
+                                            Catch::Contains("CUDA_ERROR_ILLEGAL_ADDRESS"));
+    }
+  }
+  Warnings warnings;
+  {
+    FakeEnv fail("FAKE_CUDA_FAIL", "cuStreamBatchMemOp=801");  // CUDA_ERROR_NOT_SUPPORTED: refused
+    Device["CUDA:1"];
+  }
+  auto* b = fake_hcq("CUDA:1");
+  REQUIRE(b);
+  REQUIRE(warnings.messages.size() == 1);
+  CHECK_THAT(warnings.messages[0], Catch::Contains("reports 64-bit stream memory operations") &&
+                                       Catch::Contains("CUDA_ERROR_NOT_SUPPORTED") && Catch::Contains("one-thread kernels"));
+  const auto props = b->properties();
+  CHECK_THAT(props.at("64-bit stream memory operations"),
+             Catch::StartsWith("no (the GPU reports them, but at open a 64-bit write (cuStreamBatchMemOp) failed") &&
+                 Catch::Contains("CUDA_ERROR_NOT_SUPPORTED") && Catch::Contains("one-thread kernels"));
+  CHECK_THAT(props.at("queues"), Catch::Contains("signals by one-thread kernels"));
+  CHECK(a->properties().at("64-bit stream memory operations") == "yes");  // the other GPU's probe passed
+  // Its queues work without memory operations: a kernel, copies both ways, transfers both ways
+  // (each GPU waiting for the other's timeline its own way), a stream.
+  const long memops = fake_calls("cuStreamBatchMemOp");
+  auto add = b->load_kernel("add", kernels::add_f32(SourceLanguage::CUDA));
+  const std::size_t n = 1000 + fresh_seed() % 1000;
+  const auto x = random_floats(n, fresh_seed()), y = random_floats(n, fresh_seed());
+  Buffer bx(b->name(), n, dtypes::float32), by(b->name(), n, dtypes::float32), sum(b->name(), n, dtypes::float32);
+  bx.allocate().copyin(std::span<const float>(x));
+  by.allocate().copyin(std::span<const float>(y));
+  sum.allocate();
+  const Allocation bufs[] = {sum.allocation(), bx.allocation(), by.allocation()};
+  const std::int32_t vals[] = {static_cast<std::int32_t>(n)};
+  auto program = std::dynamic_pointer_cast<cuda::CudaProgram>(add);
+  REQUIRE(program);
+  Kernargs args = b->alloc_kernargs(3, 1);
+  fill_kernargs(*program, args, bufs, vals);
+  {
+    auto r = b->reserve_timeline_value();
+    b->compute_queue()
+        .wait(b->timeline_signal(), r.value() - 1)
+        .exec(*program, args, {(static_cast<std::uint32_t>(n) + 255) / 256, 1, 1}, {256, 1, 1})
+        .signal(b->timeline_signal(), r.value())
+        .submit(*b);
+    r.submitted();
+  }
+  std::vector<float> back(n);
+  sum.copyout(std::span<float>(back));
+  for (std::size_t i = 0; i < n; ++i) REQUIRE(back[i] == x[i] + y[i]);
+  CHECK(fake_calls("cuStreamBatchMemOp") == memops);  // none on CUDA:1, and CUDA was idle
+  check_transfer(*a, *b);
+  check_transfer(*b, *a);
+  auto stream = b->create_stream();
+  const auto z = random_floats(n, fresh_seed());
+  stream->copyin(bx, std::as_bytes(std::span(z)));
+  stream->copyout(std::as_writable_bytes(std::span(back)), bx);
+  stream->synchronize();
+  CHECK(back == z);
+}
+
 TEST_CASE("cuda fake: transfer between GPUs without peer access is staged through the destination's ring - no host waits - ordered on both GPUs", "[cuda][fake]") {
   FakeEnv no_peer("FAKE_CUDA_NO_PEER", "1");
   auto* a = fake_hcq("CUDA");
