@@ -64,10 +64,11 @@ class CudaHCQDevice;
 //
 // Note [CUDA kernel signatures]
 // A launch passes its arguments as one packed buffer (8-byte addresses, then 4-byte values), and
-// the GPU reads its parameters from that buffer at the offsets the kernel was compiled with: a
-// buffer missing or a value too many is not caught by the driver, the kernel reads a wrong word
-// as an address, and the illegal address that follows poisons the whole context (Note [CUDA
-// failures]). So at load the driver is asked for each parameter's offset and size
+// the GPU reads its parameters from that buffer at the offsets the kernel was compiled with. The
+// driver refuses a buffer whose size is not the kernel's (a launch error), but counts that add up
+// to that size (two values where a buffer goes) pass, the kernel reads a wrong word as an address,
+// and the illegal address that follows poisons the whole context (Note [CUDA failures]); the
+// error the size gives names no parameter either. So at load the driver is asked for each parameter's offset and size
 // (cuFuncGetParamInfo, drivers of CUDA 12.4 and later): a parameter list of that layout becomes
 // the program's signature (grid_index false: a GPU kernel reads its index from the hardware), and
 // direct calls, queued execs and graph nodes with other counts are InvalidArgument before

@@ -106,6 +106,14 @@ struct KernelInfo {
     while (n < static_cast<int>(params.size()) && params[static_cast<std::size_t>(n)] == 8) ++n;
     return n;
   }
+  // The size of the parameter buffer: the last parameter's end, no padding after it. The driver
+  // takes a packed buffer (CU_LAUNCH_PARAM_BUFFER_SIZE) of exactly this size and refuses others
+  // (LLVM's offload plugin and Slang found so: a size padded to 8 fails the launch).
+  std::size_t param_bytes() const {
+    std::size_t at = 0;
+    for (std::size_t bytes : params) at = (at + bytes - 1) / bytes * bytes + bytes;
+    return at;
+  }
 };
 
 struct FakeFunction {
@@ -986,7 +994,7 @@ CUresult CUDAAPI cuLaunchKernel(CUfunction function, unsigned int gx, unsigned i
   std::size_t size;
   if (!launch_arguments(extra, params, size)) return CUDA_ERROR_INVALID_VALUE;
   const auto* f = reinterpret_cast<const FakeFunction*>(function);
-  if (size < static_cast<std::size_t>(f->kernel.pointers()) * 8) return CUDA_ERROR_INVALID_VALUE;
+  if (size != f->kernel.param_bytes()) return CUDA_ERROR_INVALID_VALUE;
   // The driver copies the arguments at launch: the caller may reuse its buffer at once.
   std::vector<std::byte> args(params, params + size);
   FakeDevice* device = t_current;
@@ -1163,7 +1171,7 @@ CUresult kernel_node(const CUDA_KERNEL_NODE_PARAMS* p, FakeNode& node) {
   const bool packed = launch_arguments(p->extra, params, size);
   node.kernel = true;
   node.function = reinterpret_cast<const FakeFunction*>(p->func);
-  if (!packed || size < static_cast<std::size_t>(node.function->kernel.pointers()) * 8) return CUDA_ERROR_INVALID_VALUE;
+  if (!packed || size != node.function->kernel.param_bytes()) return CUDA_ERROR_INVALID_VALUE;
   node.args.assign(params, params + size);
   node.grid = Dim{p->gridDimX, p->gridDimY, p->gridDimZ};
   node.block = Dim{p->blockDimX, p->blockDimY, p->blockDimZ};
