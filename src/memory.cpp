@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <exception>
 #include <cstdlib>
 #include <cstring>
 #include <new>
@@ -233,10 +234,18 @@ void LRUAllocator::evict_over_cap(std::uint64_t cap, std::vector<Entry>& out) {
 }
 
 void LRUAllocator::release(std::vector<Entry>& entries) {
+  // Every entry is given back even when one free fails (it is out of the cache either way); the
+  // first failure is thrown once all were tried.
+  std::exception_ptr first_failure;
   for (const Entry& e : entries) {
-    free_impl(e.allocation, e.key.size, BufferOptions::from_bits(e.key.options));
+    try {
+      free_impl(e.allocation, e.key.size, BufferOptions::from_bits(e.key.options));
+    } catch (...) {
+      if (!first_failure) first_failure = std::current_exception();
+    }
   }
   entries.clear();
+  if (first_failure) std::rethrow_exception(first_failure);
 }
 
 std::uint64_t LRUAllocator::max_bytes() const {

@@ -232,6 +232,8 @@ class FakeAllocator final : public LRUAllocator {
   std::atomic<int> backend_allocs{0}, backend_frees{0};
   std::atomic<std::uint64_t> live_bytes{0};
   std::atomic<std::uint64_t> limit_bytes{UINT64_MAX};
+  // A free of this many bytes gives the memory back, then throws (a backend that reports a failure).
+  std::atomic<std::uint64_t> failing_free_size{0};
 
   void copyin(Allocation dest, std::span<const std::byte> src) override {
     TINYDEV_TEST_ASSERT(src.size() <= dest.size);  // called from the tests' threads too
@@ -264,6 +266,7 @@ class FakeAllocator final : public LRUAllocator {
     backend_frees++;
     live_bytes -= size;
     std::free(a.host_ptr());
+    if (size == failing_free_size) throw Error("fake allocator: the backend reported a failed free of " + std::to_string(size));
   }
 
  private:

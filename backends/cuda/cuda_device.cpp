@@ -1082,17 +1082,32 @@ bool CudaHCQDevice::context_holds_gpu_waits(std::span<const SignalSlot* const> i
 void CudaHCQDevice::release_now(const DeferredRelease& release) const {
   const DeviceState& s = *state_;
   s.make_current();
+  CUresult r = CUDA_SUCCESS;
+  const char* call = "";
   switch (release.kind) {
     case DriverRelease::device_memory:
-      check(s.api.cuMemFree(static_cast<CUdeviceptr>(release.handle)), "cuMemFree", s.name);
+      r = s.api.cuMemFree(static_cast<CUdeviceptr>(release.handle));
+      call = "cuMemFree";
       break;
     case DriverRelease::host_memory:
-      check(s.api.cuMemFreeHost(reinterpret_cast<void*>(release.handle)), "cuMemFreeHost", s.name);
+      r = s.api.cuMemFreeHost(reinterpret_cast<void*>(release.handle));
+      call = "cuMemFreeHost";
       break;
     case DriverRelease::module:
-      check(s.api.cuModuleUnload(reinterpret_cast<CUmodule>(release.handle)), "cuModuleUnload", s.name);
+      r = s.api.cuModuleUnload(reinterpret_cast<CUmodule>(release.handle));
+      call = "cuModuleUnload";
       break;
   }
+  // After a sticky error the driver refuses every call with it, frees too: the memory and modules
+  // go with the context, at exit. Not an error for the free's caller (a destructor, a cache being
+  // emptied), whose later calls say the device failed.
+  if (sticky(r)) {
+    note_if_sticky(r, fmt::format("{}: {} failed: {}", s.name, call, describe(r)));
+    debug_log(1, s.name, "{} failed: {}; the context failed earlier, so what it held goes with it at exit", call,
+              describe(r));
+    return;
+  }
+  check(r, call, s.name);
 }
 
 // A thread between the check for GPU waits and the end of the driver releases it allowed, on the

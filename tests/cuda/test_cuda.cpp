@@ -1139,6 +1139,11 @@ TEST_CASE("cuda fake: a kernel's illegal address is sticky - the device says so 
   Buffer a(dev->name(), 64, dtypes::float32), o(dev->name(), 64, dtypes::float32);
   a.allocate();
   o.allocate();
+  auto& cache = dynamic_cast<LRUAllocator&>(dev->allocator());
+  std::vector<Allocation> cached;
+  for (std::size_t i = 1; i <= 3; ++i) cached.push_back(cache.alloc(i << 12));
+  const Allocation kept = cache.alloc(1 << 12);
+  for (std::size_t i = 1; i <= 3; ++i) cache.free(cached[i - 1], i << 12);  // into the cache
   const Allocation bufs[] = {o.allocation(), a.allocation(), a.allocation()};
   const std::int32_t vals[] = {64};
   // The fault happens on the GPU's time: the launch's own submit may already see it, else the
@@ -1147,6 +1152,15 @@ TEST_CASE("cuda fake: a kernel's illegal address is sticky - the device says so 
   CHECK_THROWS_WITH((*add)(bufs, vals), Catch::Contains("failed earlier") && Catch::Contains("CUDA_ERROR_ILLEGAL_ADDRESS"));
   CHECK_THROWS_WITH(Buffer(dev->name(), 1 << 20, dtypes::uint8).allocate(), Catch::Contains("failed earlier"));
   CHECK_THROWS_WITH(dev->compute_queue().signal(dev->alloc_signal(), 1).submit(*dev), Catch::Contains("failed earlier"));
+  // Frees and unloads: the driver refuses them with the sticky error (the context keeps its memory
+  // until exit); nobody freeing is told, and the cache still empties whole.
+  const long frees = fake_calls("cuMemFree");
+  CHECK_NOTHROW(cache.free_cache());
+  CHECK(cache.stats().entries_cached == 0);
+  CHECK(fake_calls("cuMemFree") == frees + 3);  // each of the three was tried
+  CHECK_NOTHROW(cache.free(kept, 1 << 12));
+  CHECK_NOTHROW(add.reset());
+  CHECK_NOTHROW(cache.free_cache());
   // The other GPU is a separate context and keeps working.
   auto* other = fake_hcq("CUDA:1");
   Signal s = other->alloc_signal(0);

@@ -169,6 +169,23 @@ TEST_CASE("lru: free_cache returns everything to the backend", "[allocator]") {
   CHECK(a.live_bytes == 0);
 }
 
+TEST_CASE("lru: a free that fails while the cache empties is thrown once every other entry was freed", "[allocator]") {
+  FakeAllocator a;
+  std::mt19937_64 rng(fresh_seed());
+  std::vector<std::size_t> sizes;
+  for (int i = 0; i < 20; ++i) sizes.push_back(64 * (1 + i + 20 * (rng() % 50)));  // distinct
+  std::vector<Allocation> xs;
+  for (std::size_t size : sizes) xs.push_back(a.alloc(size));
+  for (std::size_t i = 0; i < sizes.size(); ++i) a.free(xs[i], sizes[i]);
+  a.failing_free_size = sizes[rng() % (sizes.size() / 2)];  // among the older half: entries are freed oldest first
+  CHECK_THROWS_WITH(a.free_cache(), Catch::Contains("failed free of " + std::to_string(a.failing_free_size.load())));
+  CHECK(a.stats().entries_cached == 0);
+  CHECK(a.stats().bytes_cached == 0);
+  CHECK(a.backend_frees == static_cast<int>(sizes.size()));
+  CHECK(a.live_bytes == 0);
+  a.failing_free_size = 0;
+}
+
 TEST_CASE("lru: concurrent alloc and free from 8 threads keep the books straight", "[allocator]") {
   FakeAllocator a;
   std::atomic<int> corrupted{0};  // Catch assertions are not thread-safe: count, check after join

@@ -805,6 +805,7 @@ CUresult CUDAAPI cuMemAlloc(CUdeviceptr* pointer, size_t size) {
 
 CUresult CUDAAPI cuMemFree(CUdeviceptr pointer) {
   FAKE_INJECT(cuMemFree);
+  FAKE_STICKY();  // as the driver's: the memory goes only with the context
   FakeDevice* owner = nullptr;
   {
     std::lock_guard lock(g_mutex);
@@ -839,6 +840,8 @@ CUresult CUDAAPI cuMemHostAlloc(void** pointer, size_t size, unsigned int) {
 }
 
 CUresult CUDAAPI cuMemFreeHost(void* pointer) {
+  count_call("cuMemFreeHost");
+  FAKE_STICKY();
   FakeDevice* owner = nullptr;
   {
     std::lock_guard lock(g_mutex);
@@ -935,6 +938,7 @@ CUresult CUDAAPI cuModuleLoadData(CUmodule* module, const void* image) {
 
 CUresult CUDAAPI cuModuleUnload(CUmodule module) {
   count_call("cuModuleUnload");
+  FAKE_STICKY();
   synchronize_implicitly(t_current);
   {
     std::lock_guard lock(g_mutex);
