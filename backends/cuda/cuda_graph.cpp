@@ -473,14 +473,15 @@ class CudaGraph final : public Graph {
     c.dstDevice = static_cast<CUdeviceptr>(dest);
     // A 1-D copy as tinygrad's graph writes it: pitch and height given for both ends too (the
     // driver checks them against the width where they are set), the pitch only up to the largest
-    // one a device takes (CU_DEVICE_ATTRIBUTE_MAX_PITCH, 2^31 - 1), 0 (not given) beyond: the form
-    // the driver itself gives a 1-D copy captured from a stream (its node's parameters read back
-    // with pitch and height 0). Unverified on a GPU past 2 GiB: the GPU test of such a node will say.
-    const std::size_t pitch = size < (std::size_t{1} << 31) ? size : 0;
-    c.srcPitch = pitch;
-    c.srcHeight = 1;
-    c.dstPitch = pitch;
-    c.dstHeight = 1;
+    // one a device takes (CU_DEVICE_ATTRIBUTE_MAX_PITCH, 2^31 - 1). Beyond, neither is given
+    // (pitch and height 0): exactly the form the driver itself gives a 1-D copy captured from a
+    // stream (its node's parameters read back so), not a mix of the two forms. Unverified on a GPU
+    // past 2 GiB: the GPU test of such a node will say.
+    const bool pitched = size < (std::size_t{1} << 31);
+    c.srcPitch = pitched ? size : 0;
+    c.srcHeight = pitched ? 1 : 0;
+    c.dstPitch = pitched ? size : 0;
+    c.dstHeight = pitched ? 1 : 0;
     c.WidthInBytes = size;
     c.Height = 1;
     c.Depth = 1;
