@@ -301,19 +301,26 @@ Allocation LRUAllocator::alloc(std::size_t size, const BufferOptions& options) {
     dropped = stats_.bytes_cached;
     stats_.oom_retries += 1;
   }
-  free_cache();
+  // A free that failed while the cache emptied does not stop the retry (release gave the other
+  // entries back, and they may be enough); it is told only if the retry fails too.
+  std::string free_failure;
+  try {
+    free_cache();
+  } catch (const std::exception& e) {
+    free_failure = fmt::format("; a free while emptying the cache failed: {}", e.what());
+  }
   try {
     return fresh();
   } catch (const OutOfMemory& e) {
     throw OutOfMemory(fmt::format(
         "{}: out of memory allocating {} bytes, even after handing {} cached bytes back to the "
-        "backend and retrying: free buffers you no longer need or lower the batch size ({})",
-        describe(), size, dropped, e.what()));
+        "backend and retrying: free buffers you no longer need or lower the batch size ({}){}",
+        describe(), size, dropped, e.what(), free_failure));
   } catch (const std::bad_alloc&) {
     throw OutOfMemory(fmt::format(
         "{}: out of memory allocating {} bytes, even after handing {} cached bytes back to the "
-        "backend and retrying: free buffers you no longer need or lower the batch size",
-        describe(), size, dropped));
+        "backend and retrying: free buffers you no longer need or lower the batch size{}",
+        describe(), size, dropped, free_failure));
   }
 }
 

@@ -2108,7 +2108,9 @@ void release_at_exit() {
 // one word of pinned, device-mapped memory (as the signal slots are) from its compute stream and,
 // once that landed, waits for it on its copy stream. A refusal, or a word that did not change,
 // turns them off for this GPU with a warning: signals and waits then run as one-thread kernels,
-// as on a GPU without them, and `tinydev devices` says why. A sticky error fails the open.
+// as on a GPU without them, and `tinydev devices` says why. Only the calls' own refusals do that:
+// any other failure (no pinned memory, memory not mapped at its host address, a sticky error, an
+// error a synchronize reports) fails the open, as it would fail the device's first signal.
 // Returns "" when they work, else why not.
 std::string probe_stream_memory_operations(const DeviceState& state) {
   const Driver& api = state.api;
@@ -2123,7 +2125,12 @@ std::string probe_stream_memory_operations(const DeviceState& state) {
   auto* value = static_cast<volatile std::uint64_t*>(word);
   *value = 0;
   constexpr std::uint64_t kWritten = 0x7464'7072'6f62'6501ull;  // above 2^32: all 64 bits must land
-  const auto address = reinterpret_cast<CUdeviceptr>(word);  // Note [CUDA signal memory]
+  CUdeviceptr address = 0;  // Note [CUDA signal memory]: the host address, as the signal pool checks
+  if (const CUresult r = api.cuMemHostGetDevicePointer(&address, word, 0);
+      r != CUDA_SUCCESS || address != reinterpret_cast<CUdeviceptr>(word))
+    throw DeviceUnavailable(fmt::format("{}: pinned memory is not mapped at its host address ({}): tinydev needs "
+                                        "unified addressing (a 64-bit process on a GPU that has it)",
+                                        state.name, r == CUDA_SUCCESS ? "mapped elsewhere" : describe(r)));
   CUstreamBatchMemOpParams op{};
   op.writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_64;
   op.writeValue.address = address;
@@ -2131,12 +2138,11 @@ std::string probe_stream_memory_operations(const DeviceState& state) {
   op.writeValue.flags = CU_STREAM_WRITE_VALUE_DEFAULT;
   const auto refused = [&](CUresult r, std::string_view what) {
     if (sticky(r)) check(r, fmt::format("{} (probing stream memory operations)", what), state.name);
-    return fmt::format("{} failed: {}", what, describe(r));
+    return fmt::format("{} was refused: {}", what, describe(r));
   };
   if (CUresult r = api.cuStreamBatchMemOp(state.compute, 1, &op, 0); r != CUDA_SUCCESS)
     return refused(r, "a 64-bit write (cuStreamBatchMemOp)");
-  if (CUresult r = api.cuStreamSynchronize(state.compute); r != CUDA_SUCCESS)
-    return refused(r, "cuStreamSynchronize after a 64-bit write");
+  check(api.cuStreamSynchronize(state.compute), "cuStreamSynchronize (probing stream memory operations)", state.name);
   if (*value != kWritten)
     return fmt::format("a 64-bit write from the GPU did not land in pinned memory (read {:#x}, wrote {:#x})",
                        static_cast<std::uint64_t>(*value), kWritten);
@@ -2148,8 +2154,7 @@ std::string probe_stream_memory_operations(const DeviceState& state) {
   op.waitValue.flags = CU_STREAM_WAIT_VALUE_GEQ;
   if (CUresult r = api.cuStreamBatchMemOp(state.copy, 1, &op, 0); r != CUDA_SUCCESS)
     return refused(r, "a 64-bit wait (cuStreamBatchMemOp)");
-  if (CUresult r = api.cuStreamSynchronize(state.copy); r != CUDA_SUCCESS)
-    return refused(r, "cuStreamSynchronize after a 64-bit wait");
+  check(api.cuStreamSynchronize(state.copy), "cuStreamSynchronize (probing stream memory operations)", state.name);
   return {};
 }
 
@@ -2282,6 +2287,7 @@ std::shared_ptr<DeviceState> open_lane_state(const DeviceState& parent, const st
   state->minor = parent.minor;
   state->memops = parent.memops;
   state->memops_refused = parent.memops_refused;
+  state->kernel_time_limit = parent.kernel_time_limit;
   state->total_memory = parent.total_memory;
   // The parent's queue kernels: its module lives as long as the process.
   state->timestamp = parent.timestamp;

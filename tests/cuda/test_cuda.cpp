@@ -1142,8 +1142,9 @@ TEST_CASE("cuda fake: a kernel's illegal address is sticky - the device says so 
   auto& cache = dynamic_cast<LRUAllocator&>(dev->allocator());
   std::vector<Allocation> cached;
   for (std::size_t i = 1; i <= 3; ++i) cached.push_back(cache.alloc(i << 12));
-  const Allocation kept = cache.alloc(1 << 12);
+  const Allocation kept = cache.alloc(1 << 12), pinned = cache.alloc(1 << 12, BufferOptions{.host = true});
   for (std::size_t i = 1; i <= 3; ++i) cache.free(cached[i - 1], i << 12);  // into the cache
+  cache.free(pinned, 1 << 12, BufferOptions{.host = true});
   const Allocation bufs[] = {o.allocation(), a.allocation(), a.allocation()};
   const std::int32_t vals[] = {64};
   // The fault happens on the GPU's time: the launch's own submit may already see it, else the
@@ -1154,12 +1155,12 @@ TEST_CASE("cuda fake: a kernel's illegal address is sticky - the device says so 
   CHECK_THROWS_WITH(dev->compute_queue().signal(dev->alloc_signal(), 1).submit(*dev), Catch::Contains("failed earlier"));
   // Frees and unloads: the driver refuses them with the sticky error (the context keeps its memory
   // until exit); nobody freeing is told, and the cache still empties whole.
-  const long frees = fake_calls("cuMemFree");
+  const long frees = fake_calls("cuMemFree"), host_frees = fake_calls("cuMemFreeHost");
   CHECK_NOTHROW(cache.free_cache());
   CHECK(cache.stats().entries_cached == 0);
-  CHECK(fake_calls("cuMemFree") == frees + 3);  // each of the three was tried
+  CHECK(fake_calls("cuMemFree") == frees + 3);  // each was tried
+  CHECK(fake_calls("cuMemFreeHost") == host_frees + 1);
   CHECK_NOTHROW(cache.free(kept, 1 << 12));
-  CHECK_NOTHROW(add.reset());
   CHECK_NOTHROW(cache.free_cache());
   // The other GPU is a separate context and keeps working.
   auto* other = fake_hcq("CUDA:1");
@@ -1204,7 +1205,7 @@ TEST_CASE("cuda fake: a GPU whose stream memory operations fail at open runs its
                                        Catch::Contains("CUDA_ERROR_NOT_SUPPORTED") && Catch::Contains("one-thread kernels"));
   const auto props = b->properties();
   CHECK_THAT(props.at("64-bit stream memory operations"),
-             Catch::StartsWith("no (the GPU reports them, but at open a 64-bit write (cuStreamBatchMemOp) failed") &&
+             Catch::StartsWith("no (the GPU reports them, but at open a 64-bit write (cuStreamBatchMemOp) was refused") &&
                  Catch::Contains("CUDA_ERROR_NOT_SUPPORTED") && Catch::Contains("one-thread kernels"));
   CHECK_THAT(props.at("queues"), Catch::Contains("signals by one-thread kernels"));
   CHECK(a->properties().at("64-bit stream memory operations") == "yes");  // the other GPU's probe passed
@@ -1236,15 +1237,18 @@ TEST_CASE("cuda fake: a GPU whose stream memory operations fail at open runs its
   std::vector<float> back(n);
   sum.copyout(std::span<float>(back));
   for (std::size_t i = 0; i < n; ++i) REQUIRE(back[i] == x[i] + y[i]);
+  // A stream's lane takes its GPU's answer: every copy queued, signalled by kernels too.
+  auto stream = b->create_stream(StreamOptions{.run_inline_when_idle = false});
+  const auto z = random_floats(n, fresh_seed());
+  stream->copyin(bx, std::as_bytes(std::span(z)));
+  stream->launch(add, std::vector<Buffer>{sum, bx, by}, vals,
+                 LaunchParams{.global = {(static_cast<std::uint32_t>(n) + 255) / 256, 1, 1}, .local = {256, 1, 1}});
+  stream->copyout(std::as_writable_bytes(std::span(back)), sum);
+  stream->synchronize();
+  for (std::size_t i = 0; i < n; ++i) REQUIRE(back[i] == z[i] + y[i]);
   CHECK(fake_calls("cuStreamBatchMemOp") == memops);  // none on CUDA:1, and CUDA was idle
   check_transfer(*a, *b);
   check_transfer(*b, *a);
-  auto stream = b->create_stream();
-  const auto z = random_floats(n, fresh_seed());
-  stream->copyin(bx, std::as_bytes(std::span(z)));
-  stream->copyout(std::as_writable_bytes(std::span(back)), bx);
-  stream->synchronize();
-  CHECK(back == z);
 }
 
 TEST_CASE("cuda fake: transfer between GPUs without peer access is staged through the destination's ring - no host waits - ordered on both GPUs", "[cuda][fake]") {

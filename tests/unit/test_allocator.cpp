@@ -186,6 +186,30 @@ TEST_CASE("lru: a free that fails while the cache empties is thrown once every o
   a.failing_free_size = 0;
 }
 
+TEST_CASE("lru: out of memory retries after emptying the cache even when a free there fails", "[allocator]") {
+  FakeAllocator a;
+  const std::size_t unit = 4096 * (1 + fresh_seed() % 8);
+  a.limit_bytes = 8 * unit;
+  // Six units cached in three entries; the free of the 1-unit entry fails.
+  const Allocation one = a.alloc(unit), two = a.alloc(2 * unit), three = a.alloc(3 * unit);
+  a.free(one, unit);
+  a.free(two, 2 * unit);
+  a.free(three, 3 * unit);
+  a.failing_free_size = unit;
+  const Allocation big = a.alloc(7 * unit);  // fits only once the cache is empty
+  CHECK(a.stats().oom_retries == 1);
+  CHECK(a.stats().entries_cached == 0);
+  CHECK(a.live_bytes == 7 * unit);
+  // When the retry fails too, its OutOfMemory tells of the failed free.
+  const Allocation again = a.alloc(unit);
+  a.free(again, unit);
+  CHECK_THROWS_WITH(a.alloc(5 * unit), Catch::Contains("even after handing") &&
+                                           Catch::Contains("a free while emptying the cache failed") &&
+                                           Catch::Contains("failed free of " + std::to_string(unit)));
+  a.failing_free_size = 0;
+  a.free(big, 7 * unit);
+}
+
 TEST_CASE("lru: concurrent alloc and free from 8 threads keep the books straight", "[allocator]") {
   FakeAllocator a;
   std::atomic<int> corrupted{0};  // Catch assertions are not thread-safe: count, check after join
