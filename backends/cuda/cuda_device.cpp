@@ -697,8 +697,17 @@ CudaAllocator::CudaAllocator(CudaHCQDevice& device, std::uint64_t device_memory,
 }
 
 CudaAllocator::~CudaAllocator() {
-  release_ring();
-  free_cache();
+  // Never throws (a failed open destroys its device, and with it this): a free the driver refuses
+  // is said at TINYDEV_DEBUG>=1 and the memory left to the context.
+  const auto release = [&](auto&& what, std::string_view which) {
+    try {
+      what();
+    } catch (const std::exception& e) {
+      debug_log(1, device_.name(), "giving back {} when its allocator went failed: {}", which, e.what());
+    }
+  };
+  release([&] { release_ring(); }, "the staging ring");
+  release([&] { free_cache(); }, "the allocation cache");
 }
 
 // Note [CUDA host-to-host copies]
