@@ -97,26 +97,50 @@ class ContextSwitch {
   bool switch_back_ = false;
 };
 
+// Pinned host memory mapped into every context at its own address (Note [CUDA signal memory]), as
+// GPU signals and waits on it need: signal slots, and the word probing them (Note [Probing stream
+// memory operations]). DeviceUnavailable where the driver maps it elsewhere.
+void* alloc_mapped_at_host_address(const DeviceState& state, std::size_t bytes, std::string_view what) {
+  void* p = nullptr;
+  check(state.api.cuMemHostAlloc(&p, bytes, CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP),
+        fmt::format("cuMemHostAlloc of {} bytes for {}", bytes, what), state.name);
+  CUdeviceptr mapped = 0;
+  const CUresult r = state.api.cuMemHostGetDevicePointer(&mapped, p, 0);
+  if (r != CUDA_SUCCESS || mapped != reinterpret_cast<CUdeviceptr>(p)) {
+    state.api.cuMemFreeHost(p);
+    throw DeviceUnavailable(fmt::format("{}: {} is not mapped at its host address ({}): tinydev needs unified "
+                                        "addressing (a 64-bit process on a GPU that has it)",
+                                        state.name, what, r == CUDA_SUCCESS ? "mapped elsewhere" : describe(r)));
+  }
+  return p;
+}
+
+// The stream memory operations queues issue (Note [CUDA queues]): a 64-bit write, and a wait until
+// the word is at least the value.
+CUstreamBatchMemOpParams write_value_op(CUdeviceptr address, std::uint64_t value) {
+  CUstreamBatchMemOpParams op{};
+  op.writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_64;
+  op.writeValue.address = address;
+  op.writeValue.value64 = value;
+  op.writeValue.flags = CU_STREAM_WRITE_VALUE_DEFAULT;
+  return op;
+}
+CUstreamBatchMemOpParams wait_value_op(CUdeviceptr address, std::uint64_t value) {
+  CUstreamBatchMemOpParams op{};
+  op.waitValue.operation = CU_STREAM_MEM_OP_WAIT_VALUE_64;
+  op.waitValue.address = address;
+  op.waitValue.value64 = value;
+  op.waitValue.flags = CU_STREAM_WAIT_VALUE_GEQ;
+  return op;
+}
+
 const std::shared_ptr<SignalPool>& shared_signal_pool(const std::shared_ptr<DeviceState>& first) {
   // The first device's context owns the slots' memory (g_signal_owner_of_pool, Note [CUDA at exit]).
   static auto* pool = (g_signal_owner_of_pool = first.get(), new std::shared_ptr<SignalPool>(std::make_shared<SignalPool>(
       "CUDA", SignalMemory{.allocate =
                                [state = first](std::size_t bytes) -> void* {
                                  const ContextSwitch in_owner(*state);
-                                 void* p = nullptr;
-                                 check(state->api.cuMemHostAlloc(&p, bytes, CU_MEMHOSTALLOC_PORTABLE |
-                                                                               CU_MEMHOSTALLOC_DEVICEMAP),
-                                       fmt::format("cuMemHostAlloc of {} bytes for signals", bytes), state->name);
-                                 CUdeviceptr mapped = 0;
-                                 const CUresult r = state->api.cuMemHostGetDevicePointer(&mapped, p, 0);
-                                 if (r != CUDA_SUCCESS || mapped != reinterpret_cast<CUdeviceptr>(p)) {
-                                   state->api.cuMemFreeHost(p);
-                                   throw DeviceUnavailable(fmt::format(
-                                       "{}: signal memory is not mapped at its host address ({}): tinydev "
-                                       "needs unified addressing (a 64-bit process on a GPU that has it)",
-                                       state->name, r == CUDA_SUCCESS ? "mapped elsewhere" : describe(r)));
-                                 }
-                                 return p;
+                                 return alloc_mapped_at_host_address(*state, bytes, "signal memory");
                                },
                            .release =
                                [state = first](void* memory, std::size_t) {
@@ -1586,18 +1610,8 @@ void CudaHCQDevice::submit_commands(CudaLane lane, std::span<const CudaCommand> 
         }
         if (batched == batch.size()) flush();
         if (batched == 0) batch_first = i;
-        batch[batched] = {};
-        if (c.kind == CommandKind::signal) {
-          batch[batched].writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_64;
-          batch[batched].writeValue.address = address;
-          batch[batched].writeValue.value64 = c.value;
-          batch[batched].writeValue.flags = CU_STREAM_WRITE_VALUE_DEFAULT;
-        } else {
-          batch[batched].waitValue.operation = CU_STREAM_MEM_OP_WAIT_VALUE_64;
-          batch[batched].waitValue.address = address;
-          batch[batched].waitValue.value64 = c.value;
-          batch[batched].waitValue.flags = CU_STREAM_WAIT_VALUE_GEQ;
-        }
+        batch[batched] =
+            c.kind == CommandKind::signal ? write_value_op(address, c.value) : wait_value_op(address, c.value);
         batched += 1;
         break;
       }
@@ -2123,9 +2137,7 @@ void release_at_exit() {
 // Returns "" when they work, else why not.
 std::string probe_stream_memory_operations(const DeviceState& state) {
   const Driver& api = state.api;
-  void* word = nullptr;
-  check(api.cuMemHostAlloc(&word, 64, CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP),
-        "cuMemHostAlloc of 64 bytes (probing stream memory operations)", state.name);
+  void* word = alloc_mapped_at_host_address(state, 64, "the word probing stream memory operations");
   struct Freed {
     const Driver& api;
     void* word;
@@ -2134,17 +2146,8 @@ std::string probe_stream_memory_operations(const DeviceState& state) {
   auto* value = static_cast<volatile std::uint64_t*>(word);
   *value = 0;
   constexpr std::uint64_t kWritten = 0x7464'7072'6f62'6501ull;  // above 2^32: all 64 bits must land
-  CUdeviceptr address = 0;  // Note [CUDA signal memory]: the host address, as the signal pool checks
-  if (const CUresult r = api.cuMemHostGetDevicePointer(&address, word, 0);
-      r != CUDA_SUCCESS || address != reinterpret_cast<CUdeviceptr>(word))
-    throw DeviceUnavailable(fmt::format("{}: pinned memory is not mapped at its host address ({}): tinydev needs "
-                                        "unified addressing (a 64-bit process on a GPU that has it)",
-                                        state.name, r == CUDA_SUCCESS ? "mapped elsewhere" : describe(r)));
-  CUstreamBatchMemOpParams op{};
-  op.writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_64;
-  op.writeValue.address = address;
-  op.writeValue.value64 = kWritten;
-  op.writeValue.flags = CU_STREAM_WRITE_VALUE_DEFAULT;
+  const auto address = reinterpret_cast<CUdeviceptr>(word);  // mapped at its host address
+  CUstreamBatchMemOpParams op = write_value_op(address, kWritten);
   const auto refused = [&](CUresult r, std::string_view what) {
     if (sticky(r)) check(r, fmt::format("{} (probing stream memory operations)", what), state.name);
     return fmt::format("{} was refused: {}", what, describe(r));
@@ -2156,11 +2159,7 @@ std::string probe_stream_memory_operations(const DeviceState& state) {
     return fmt::format("a 64-bit write from the GPU did not land in pinned memory (read {:#x}, wrote {:#x})",
                        static_cast<std::uint64_t>(*value), kWritten);
   // The value is there already, so this wait never holds the stream.
-  op = {};
-  op.waitValue.operation = CU_STREAM_MEM_OP_WAIT_VALUE_64;
-  op.waitValue.address = address;
-  op.waitValue.value64 = kWritten;
-  op.waitValue.flags = CU_STREAM_WAIT_VALUE_GEQ;
+  op = wait_value_op(address, kWritten);
   if (CUresult r = api.cuStreamBatchMemOp(state.copy, 1, &op, 0); r != CUDA_SUCCESS)
     return refused(r, "a 64-bit wait (cuStreamBatchMemOp)");
   check(api.cuStreamSynchronize(state.copy), "cuStreamSynchronize (probing stream memory operations)", state.name);

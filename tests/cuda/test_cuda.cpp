@@ -635,6 +635,19 @@ struct Warnings {
   Warnings& operator=(const Warnings&) = delete;
 };
 
+// What opening `name` throws as an E (an injected failure in the caller's scope), or nullopt after
+// skip() when the device was open already; anything else it throws goes on.
+template <class E>
+std::optional<std::string> open_error(const std::string& name) {
+  try {
+    Device[name];
+  } catch (const E& e) {
+    return std::string(e.what());
+  }
+  skip(name + " was opened before this test (run it alone, as ctest does)");
+  return std::nullopt;
+}
+
 // The first fake GPU, or nullptr after skip() when the driver in use is not the fake.
 Compiled* fake_gpu() {
   Compiled* dev = gpu();
@@ -777,13 +790,10 @@ TEST_CASE("cuda fake: a GPU another process holds in exclusive compute mode is D
   if (!fake_gpu()) return;
   {
     FakeEnv fail("FAKE_CUDA_FAIL", "cuDevicePrimaryCtxRetain=46");  // CUDA_ERROR_DEVICE_UNAVAILABLE
-    try {
-      Device["CUDA:1"];
-      return skip("CUDA:1 was opened before this test (run it alone, as ctest does)");
-    } catch (const DeviceUnavailable& e) {
-      CHECK_THAT(std::string(e.what()), Catch::Contains("CUDA:1") && Catch::Contains("CUDA_ERROR_DEVICE_UNAVAILABLE") &&
-                                            Catch::Contains("exclusive-process"));
-    }
+    const auto error = open_error<DeviceUnavailable>("CUDA:1");
+    if (!error) return;
+    CHECK_THAT(*error, Catch::Contains("CUDA:1") && Catch::Contains("CUDA_ERROR_DEVICE_UNAVAILABLE") &&
+                           Catch::Contains("exclusive-process"));
   }
   // A failed open is tried again (the seed's registry caches only what opened).
   const auto data = random_bytes(4096, fresh_seed());
@@ -1185,13 +1195,10 @@ TEST_CASE("cuda fake: a GPU whose stream memory operations fail at open runs its
   // Note [Probing stream memory operations]: the fake's attribute says yes; the calls fail.
   {
     FakeEnv fail("FAKE_CUDA_FAIL", "cuStreamBatchMemOp=700");  // sticky: the open fails
-    try {
-      Device["CUDA:1"];
-      return skip("CUDA:1 was opened before this test (run it alone, as ctest does)");
-    } catch (const Error& e) {
-      CHECK_THAT(std::string(e.what()), Catch::Contains("CUDA:1") && Catch::Contains("probing stream memory operations") &&
-                                            Catch::Contains("CUDA_ERROR_ILLEGAL_ADDRESS"));
-    }
+    const auto error = open_error<Error>("CUDA:1");
+    if (!error) return;
+    CHECK_THAT(*error, Catch::Contains("CUDA:1") && Catch::Contains("probing stream memory operations") &&
+                           Catch::Contains("CUDA_ERROR_ILLEGAL_ADDRESS"));
   }
   Warnings warnings;
   {
